@@ -1,0 +1,55 @@
+# kvroute: `make demo` runs the main job, `make test` runs every test.
+# Both create .venv and build the extension by themselves.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.deps-installed
+
+.PHONY: all demo test test-rust test-py lint bench bench-rust build-dev build-release clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "numpy>=1.26" "click>=8.1" "rich>=13" \
+		"pytest>=8" "hypothesis>=6.100" "pytest-benchmark>=4" "xxhash>=3.4" \
+		"ruff>=0.6" "mypy>=1.11" "maturin>=1.9.4,<2"
+	touch $(STAMP)
+
+build-dev: $(STAMP)
+	VIRTUAL_ENV=$(CURDIR)/$(VENV) $(BIN)/maturin develop
+
+build-release: $(STAMP)
+	VIRTUAL_ENV=$(CURDIR)/$(VENV) $(BIN)/maturin develop --release
+
+demo: build-release
+	$(BIN)/kvroute demo
+
+test: test-rust test-py
+
+test-rust:
+	cargo test --workspace --exclude kvroute-py
+
+test-py: build-dev
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(BIN)/ruff check python tests benches
+	$(BIN)/ruff format --check python tests benches
+	$(BIN)/mypy
+	VIRTUAL_ENV=$(CURDIR)/$(VENV) $(BIN)/maturin develop --quiet
+	$(BIN)/python -m mypy.stubtest kvroute._core
+
+bench: build-release
+	$(BIN)/pytest benches -q --benchmark-only --benchmark-columns=min,median,mean,ops,rounds
+
+bench-rust:
+	cargo bench -p kvroute-core
+
+clean:
+	rm -rf $(VENV) target

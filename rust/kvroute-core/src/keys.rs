@@ -1,0 +1,189 @@
+//! Block keys: prefix-chained 64-bit keys from token ids, and chaining of raw per-block ids.
+//!
+//! `key_i = xxh3_64_with_seed(bytes(block_i), seed = key_{i-1})` with `key_{-1} = ROOT_SEED`.
+//! A block's bytes are its token ids as little-endian `u32`, so the keys are the same on every
+//! platform and for every integer dtype the ids arrive in. The last block may be partial.
+//! Raw ids are chained the same way over their 8 little-endian bytes.
+//!
+//! Complexity: O(tokens) (xxh3 runs at memory speed). Pure functions, thread-safe.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Seed of the chain, `key_{-1}`: the ASCII bytes of "kvroute!" read as a little-endian u64.
+pub const ROOT_SEED: u64 = u64::from_le_bytes(*b"kvroute!");
+
+/// A token id that does not fit the `u32` range every tokenizer uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenOutOfRange {
+    /// Position of the offending token in the input.
+    pub position: usize,
+    /// Its value.
+    pub value: i64,
+}
+
+/// Token ids that can be hashed: converted to `u32` with a range check.
+pub trait TokenId: Copy {
+    /// The id as `u32`, or `None` when it is negative or too large.
+    fn to_u32(self) -> Option<u32>;
+    /// The id as `i64`, for error messages.
+    fn to_i64(self) -> i64;
+}
+
+impl TokenId for u32 {
+    fn to_u32(self) -> Option<u32> {
+        Some(self)
+    }
+    fn to_i64(self) -> i64 {
+        i64::from(self)
+    }
+}
+
+impl TokenId for i32 {
+    fn to_u32(self) -> Option<u32> {
+        u32::try_from(self).ok()
+    }
+    fn to_i64(self) -> i64 {
+        i64::from(self)
+    }
+}
+
+impl TokenId for i64 {
+    fn to_u32(self) -> Option<u32> {
+        u32::try_from(self).ok()
+    }
+    fn to_i64(self) -> i64 {
+        self
+    }
+}
+
+/// Number of blocks covering `tokens` tokens: `ceil(tokens / block_size)`.
+pub fn num_blocks(tokens: usize, block_size: usize) -> usize {
+    tokens.div_ceil(block_size)
+}
+
+/// Tokens covered by `matched` leading blocks of a request of `input_length` tokens.
+pub fn hit_tokens(matched: u64, block_size: u64, input_length: u64) -> u64 {
+    matched.saturating_mul(block_size).min(input_length)
+}
+
+/// Prefix-chained keys of `tokens`, one per `block_size` tokens (the last block may be partial).
+///
+/// # Panics
+/// When `block_size` is zero (callers validate it first).
+pub fn block_hashes<T: TokenId>(
+    tokens: &[T],
+    block_size: usize,
+) -> Result<Vec<u64>, TokenOutOfRange> {
+    assert!(block_size > 0, "block_size must be positive");
+    let mut keys = Vec::with_capacity(num_blocks(tokens.len(), block_size));
+    let mut buf: Vec<u8> = Vec::with_capacity(block_size * 4);
+    let mut prev = ROOT_SEED;
+    for (b, block) in tokens.chunks(block_size).enumerate() {
+        buf.clear();
+        for (j, &t) in block.iter().enumerate() {
+            let v = t.to_u32().ok_or(TokenOutOfRange {
+                position: b * block_size + j,
+                value: t.to_i64(),
+            })?;
+            buf.extend_from_slice(&v.to_le_bytes());
+        }
+        prev = xxh3_64_with_seed(&buf, prev);
+        keys.push(prev);
+    }
+    Ok(keys)
+}
+
+/// Chain keys over already little-endian `u32` token bytes; the fast path for `u32` input.
+pub fn block_hashes_u32(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    assert!(block_size > 0, "block_size must be positive");
+    if cfg!(target_endian = "big") {
+        return block_hashes(tokens, block_size).unwrap_or_default();
+    }
+    let mut prev = ROOT_SEED;
+    tokens
+        .chunks(block_size)
+        .map(|block| {
+            // SAFETY: a `u32` slice is valid as bytes of four times its length; on a
+            // little-endian target those bytes are exactly the little-endian encoding.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    block.as_ptr().cast::<u8>(),
+                    std::mem::size_of_val(block),
+                )
+            };
+            prev = xxh3_64_with_seed(bytes, prev);
+            prev
+        })
+        .collect()
+}
+
+/// Chained keys from per-block ids that are not chained yet: `key_i = H(key_{i-1}, id_i)`.
+pub fn chain_ids(ids: &[u64]) -> Vec<u64> {
+    let mut prev = ROOT_SEED;
+    ids.iter()
+        .map(|id| {
+            prev = xxh3_64_with_seed(&id.to_le_bytes(), prev);
+            prev
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_count_and_partial_last_block() {
+        let tokens: Vec<u32> = (0..1025).collect();
+        let keys = block_hashes_u32(&tokens, 512);
+        assert_eq!(keys.len(), 3);
+        assert_eq!(block_hashes(&tokens, 512).unwrap(), keys);
+        assert!(block_hashes_u32(&[], 512).is_empty());
+    }
+
+    #[test]
+    fn keys_are_prefix_chained() {
+        let a: Vec<u32> = (0..2048).collect();
+        let mut b = a.clone();
+        b[1500] = 7;
+        let (ka, kb) = (block_hashes_u32(&a, 512), block_hashes_u32(&b, 512));
+        assert_eq!(ka[..2], kb[..2]);
+        assert_ne!(ka[2], kb[2]);
+        assert_ne!(ka[3], kb[3], "a change propagates to every later key");
+    }
+
+    #[test]
+    fn dtypes_agree_and_range_is_checked() {
+        let u: Vec<u32> = vec![1, 2, 3, 4, 5];
+        let i: Vec<i64> = u.iter().map(|&x| i64::from(x)).collect();
+        let s: Vec<i32> = u.iter().map(|&x| x as i32).collect();
+        assert_eq!(block_hashes(&i, 2).unwrap(), block_hashes_u32(&u, 2));
+        assert_eq!(block_hashes(&s, 2).unwrap(), block_hashes_u32(&u, 2));
+        let err = block_hashes(&[1i64, -3], 2).unwrap_err();
+        assert_eq!(
+            err,
+            TokenOutOfRange {
+                position: 1,
+                value: -3
+            }
+        );
+        assert!(block_hashes(&[1i64 << 33], 2).is_err());
+    }
+
+    #[test]
+    fn pinned_values() {
+        // These values are part of the public contract: changing them invalidates stored traces.
+        assert_eq!(block_hashes_u32(&[1, 2, 3], 512), vec![PINNED_123]);
+        assert_eq!(chain_ids(&[0, 1]), PINNED_CHAIN_01.to_vec());
+    }
+
+    const PINNED_123: u64 = 17135722013804238675;
+    const PINNED_CHAIN_01: [u64; 2] = [1555794855776636713, 9155262315945842484];
+
+    #[test]
+    fn hit_tokens_clamps_to_input() {
+        assert_eq!(hit_tokens(2, 512, 1000), 1000);
+        assert_eq!(hit_tokens(1, 512, 1000), 512);
+        assert_eq!(hit_tokens(0, 512, 1000), 0);
+    }
+}

@@ -1,0 +1,22 @@
+//! kvroute-core: KV-cache-aware routing of LLM requests, in pure Rust.
+//!
+//! - [`keys`]: prefix-chained block keys from token ids.
+//! - [`cache`]: per-instance LRU cache models under one cluster-wide index.
+//! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
+//! - [`router`]: the request state machine that ties them together.
+//!
+//! The rules are those of the project's semantics page (`docs/semantics.md`).
+
+pub mod cache;
+pub mod error;
+pub mod keys;
+pub mod lru;
+pub mod picker;
+pub mod policy;
+pub mod rng;
+pub mod router;
+
+pub use error::{Error, Result};
+pub use picker::{Branch, InstanceLoad};
+pub use policy::{Policy, PolicyParams};
+pub use router::{Decision, Id, InstanceState, Router, RouterConfig};

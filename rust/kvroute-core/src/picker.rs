@@ -1,0 +1,285 @@
+//! The picking loop: given the instances' loads and cache hits, choose one instance.
+//!
+//! One pass over the instances per pick (plus one more for ties), O(instances). Hits come
+//! precomputed from one cluster-index walk ([`crate::cache::ClusterCache::matched_blocks_all`]).
+//! Pure except for the tie counter and the RNG in [`PickState`]; the router holds it under
+//! its lock.
+
+use crate::keys::hit_tokens;
+use crate::policy::{Policy, PolicyParams};
+use crate::rng::SplitMix64;
+
+/// Counters of one instance, as the semantics page names them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InstanceLoad {
+    /// Requests routed here and not finished.
+    pub num_requests: u64,
+    /// Σ input_length of those requests.
+    pub ongoing_tokens: u64,
+    /// Σ new_prefill of those whose first token has not come back.
+    pub pending_prefill_tokens: u64,
+    /// Σ input_length of those whose first token has come back.
+    pub ongoing_decode_tokens: u64,
+    /// Whether the instance takes part in picks.
+    pub available: bool,
+}
+
+/// Why an instance was chosen; a label for metrics and decision logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Branch {
+    /// The session's affinity instance (`sticky`, or `unified`'s gate held).
+    Affinity,
+    /// The unique minimum of the policy's score.
+    Score,
+    /// Several minima; the round-robin counter (or the RNG, `dynamo_cost`) chose.
+    TieBreak,
+    /// `round_robin`'s cycle.
+    RoundRobin,
+    /// A seeded draw (`random`, `power_of_two`, `dynamo_cost` with temperature > 0).
+    Sampled,
+    /// `sglang_cache_aware`: load imbalanced, shortest queue.
+    LoadBalance,
+    /// `sglang_cache_aware`: best prefix match above the threshold.
+    CacheMatch,
+    /// `sglang_cache_aware`: match too short, instance with the fewest cached blocks.
+    SmallestCache,
+}
+
+impl Branch {
+    /// Label used in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Branch::Affinity => "affinity",
+            Branch::Score => "score",
+            Branch::TieBreak => "tie_break",
+            Branch::RoundRobin => "round_robin",
+            Branch::Sampled => "sampled",
+            Branch::LoadBalance => "load_balance",
+            Branch::CacheMatch => "cache_match",
+            Branch::SmallestCache => "smallest_cache",
+        }
+    }
+}
+
+/// What one pick may read.
+pub(crate) struct PickInput<'a> {
+    pub loads: &'a [InstanceLoad],
+    /// Matched leading blocks per instance; only filled for policies that score the cache.
+    pub matched: &'a [u32],
+    /// Resident blocks per instance; read by `sglang_cache_aware` only.
+    pub cached_blocks: &'a dyn Fn(usize) -> usize,
+    pub input_length: u64,
+    pub block_size: u64,
+    /// The session's affinity instance, if it is available.
+    pub affinity: Option<usize>,
+}
+
+/// The mutable part of picking: the tie counter and the seeded RNG.
+#[derive(Debug, Clone)]
+pub(crate) struct PickState {
+    pub rr: u64,
+    pub rng: SplitMix64,
+}
+
+impl PickInput<'_> {
+    fn new_prefill(&self, i: usize) -> u64 {
+        let hit = hit_tokens(
+            u64::from(self.matched[i]),
+            self.block_size,
+            self.input_length,
+        );
+        self.input_length - hit
+    }
+
+    fn available(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.loads.len()).filter(|&i| self.loads[i].available)
+    }
+
+    /// First available index with the minimum of `key`.
+    fn argmin<K: PartialOrd>(&self, key: impl Fn(usize) -> K) -> Option<usize> {
+        let mut best: Option<(usize, K)> = None;
+        for i in self.available() {
+            let k = key(i);
+            if best.as_ref().is_none_or(|(_, b)| k < *b) {
+                best = Some((i, k));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    /// Minimum of `key`; among several instances at the minimum, `tied[rr % len]`, `rr += 1`.
+    fn argmin_round_robin<K: Ord>(
+        &self,
+        state: &mut PickState,
+        key: impl Fn(usize) -> K,
+    ) -> Option<(usize, Branch)> {
+        let best = self.available().map(&key).min()?;
+        let tied: Vec<usize> = self.available().filter(|&i| key(i) == best).collect();
+        if tied.len() == 1 {
+            return Some((tied[0], Branch::Score));
+        }
+        let winner = tied[(state.rr % tied.len() as u64) as usize];
+        state.rr += 1;
+        Some((winner, Branch::TieBreak))
+    }
+
+    fn lmetric_key(&self, i: usize) -> (u128, u64, u64) {
+        let l = &self.loads[i];
+        let np = self.new_prefill(i);
+        let score = u128::from(l.pending_prefill_tokens + np) * u128::from(l.num_requests);
+        (score, np, l.num_requests)
+    }
+}
+
+/// Choose an instance, or `None` when none is available.
+pub(crate) fn pick(
+    policy: Policy,
+    p: &PolicyParams,
+    input: &PickInput<'_>,
+    state: &mut PickState,
+) -> Option<(usize, Branch)> {
+    let nreq = |i: usize| input.loads[i].num_requests;
+    match policy {
+        Policy::Lmetric => input
+            .argmin(|i| input.lmetric_key(i).0)
+            .map(|i| (i, Branch::Score)),
+        Policy::LoadOnly => input.argmin(nreq).map(|i| (i, Branch::Score)),
+        Policy::Sticky => match input.affinity {
+            Some(a) => Some((a, Branch::Affinity)),
+            None => input.argmin(nreq).map(|i| (i, Branch::Score)),
+        },
+        Policy::Unified => {
+            if let Some(a) = input.affinity {
+                if unified_gate(p, input, a) {
+                    return Some((a, Branch::Affinity));
+                }
+            }
+            input.argmin_round_robin(state, |i| input.lmetric_key(i))
+        }
+        Policy::LeastWork => input.argmin_round_robin(state, |i| {
+            let np = input.new_prefill(i);
+            (input.loads[i].pending_prefill_tokens + np, np, nreq(i))
+        }),
+        Policy::RoundRobin => {
+            let avail: Vec<usize> = input.available().collect();
+            let chosen = *avail.get((state.rr % avail.len().max(1) as u64) as usize)?;
+            state.rr += 1;
+            Some((chosen, Branch::RoundRobin))
+        }
+        Policy::Random => {
+            let avail: Vec<usize> = input.available().collect();
+            (!avail.is_empty()).then(|| (avail[state.rng.below(avail.len())], Branch::Sampled))
+        }
+        Policy::PowerOfTwo => power_of_two(input, state),
+        Policy::SglangCacheAware => sglang_cache_aware(p, input),
+        Policy::DynamoCost => dynamo_cost(p, input, state),
+    }
+}
+
+/// `unified`'s affinity gate: warm enough and not overloaded.
+fn unified_gate(p: &PolicyParams, input: &PickInput<'_>, a: usize) -> bool {
+    let (sum, count) = input.available().fold((0u64, 0u64), |(s, c), i| {
+        (s + input.loads[i].num_requests, c + 1)
+    });
+    let avg = (sum as f64 / count.max(1) as f64).max(1.0);
+    let hit = input.input_length - input.new_prefill(a);
+    let ratio = hit as f64 / input.input_length.max(1) as f64;
+    ratio > p.hit_ratio_gate && (input.loads[a].num_requests as f64) <= avg * p.overload_factor
+}
+
+fn power_of_two(input: &PickInput<'_>, state: &mut PickState) -> Option<(usize, Branch)> {
+    let avail: Vec<usize> = input.available().collect();
+    match avail.len() {
+        0 => None,
+        1 => Some((avail[0], Branch::Sampled)),
+        n => {
+            let first = state.rng.below(n);
+            let mut second = state.rng.below(n - 1);
+            if second >= first {
+                second += 1;
+            }
+            let (a, b) = (avail[first], avail[second]);
+            let chosen = if input.loads[a].num_requests <= input.loads[b].num_requests {
+                a
+            } else {
+                b
+            };
+            Some((chosen, Branch::Sampled))
+        }
+    }
+}
+
+fn sglang_cache_aware(p: &PolicyParams, input: &PickInput<'_>) -> Option<(usize, Branch)> {
+    let nreq = |i: usize| input.loads[i].num_requests;
+    let max = input.available().map(nreq).max()?;
+    let min = input.available().map(nreq).min()?;
+    if max - min > p.balance_abs && max as f64 > min as f64 * p.balance_rel {
+        return input.argmin(nreq).map(|i| (i, Branch::LoadBalance));
+    }
+    let best = input.argmin(|i| std::cmp::Reverse(input.matched[i]))?;
+    let hit = input.input_length - input.new_prefill(best);
+    let rate = if input.input_length == 0 {
+        0.0
+    } else {
+        hit as f64 / input.input_length as f64
+    };
+    if rate > p.cache_threshold {
+        Some((best, Branch::CacheMatch))
+    } else {
+        input
+            .argmin(|i| (input.cached_blocks)(i))
+            .map(|i| (i, Branch::SmallestCache))
+    }
+}
+
+fn dynamo_cost(
+    p: &PolicyParams,
+    input: &PickInput<'_>,
+    state: &mut PickState,
+) -> Option<(usize, Branch)> {
+    let bs = input.block_size as f64;
+    let costs: Vec<(usize, f64)> = input
+        .available()
+        .map(|i| {
+            let prefill_blocks = input.new_prefill(i) as f64 / bs;
+            let decode_blocks = (input.loads[i].ongoing_tokens + input.input_length) as f64 / bs;
+            (i, p.overlap_weight * prefill_blocks + decode_blocks)
+        })
+        .collect();
+    let min = costs.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+    let max = costs.iter().map(|c| c.1).fold(f64::NEG_INFINITY, f64::max);
+    if costs.is_empty() {
+        return None;
+    }
+    if p.temperature == 0.0 || max == min {
+        let tied: Vec<usize> = costs.iter().filter(|c| c.1 == min).map(|c| c.0).collect();
+        if p.temperature == 0.0 && tied.len() == 1 {
+            return Some((tied[0], Branch::Score));
+        }
+        return Some((
+            tied[state.rng.below(tied.len())],
+            if p.temperature == 0.0 {
+                Branch::TieBreak
+            } else {
+                Branch::Sampled
+            },
+        ));
+    }
+    // Softmax over negated, range-normalised costs, as Dynamo's selector.
+    let scaled: Vec<f64> = costs
+        .iter()
+        .map(|c| -(c.1 / (max - min)) / p.temperature)
+        .collect();
+    let top = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scaled.iter().map(|s| (s - top).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let draw = state.rng.unit();
+    let mut cumulative = 0.0;
+    for (c, w) in costs.iter().zip(&weights) {
+        cumulative += w / total;
+        if draw <= cumulative {
+            return Some((c.0, Branch::Sampled));
+        }
+    }
+    costs.last().map(|c| (c.0, Branch::Sampled))
+}

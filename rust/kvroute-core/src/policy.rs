@@ -1,0 +1,173 @@
+//! Policy names and parameters. The picking itself is in [`crate::picker`].
+//!
+//! Five policies from the study (`lmetric`, `load_only`, `sticky`, `unified`, `leastwork`,
+//! exactly as the semantics page) and five industry ones for comparison (`round_robin`,
+//! `random`, `power_of_two`, `sglang_cache_aware`, `dynamo_cost`). Plain data, thread-safe.
+
+use crate::error::{Error, Result};
+
+/// A routing policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// `(pending_prefill + new_prefill) * num_requests`, min, first-seen.
+    Lmetric,
+    /// min `num_requests`, first-seen.
+    LoadOnly,
+    /// Hard session affinity; new sessions go to min `num_requests`.
+    Sticky,
+    /// Gated affinity, else `lmetric` with a round-robin tie-break.
+    Unified,
+    /// LPWL: `pending_prefill + new_prefill`, same tie-break as `unified`.
+    LeastWork,
+    /// Cycle over the available instances.
+    RoundRobin,
+    /// Seeded uniform choice among the available instances.
+    Random,
+    /// Two seeded distinct samples, the one with fewer requests (the first on a tie).
+    PowerOfTwo,
+    /// SGLang router's cache-aware policy.
+    SglangCacheAware,
+    /// Dynamo KV router's cost `overlap_weight * prefill_blocks + decode_blocks`.
+    DynamoCost,
+}
+
+impl Policy {
+    /// Every policy, in the order `kvroute.policies()` lists them.
+    pub const ALL: [Policy; 10] = [
+        Policy::Lmetric,
+        Policy::LoadOnly,
+        Policy::Sticky,
+        Policy::Unified,
+        Policy::LeastWork,
+        Policy::RoundRobin,
+        Policy::Random,
+        Policy::PowerOfTwo,
+        Policy::SglangCacheAware,
+        Policy::DynamoCost,
+    ];
+
+    /// The policy's public name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Lmetric => "lmetric",
+            Policy::LoadOnly => "load_only",
+            Policy::Sticky => "sticky",
+            Policy::Unified => "unified",
+            Policy::LeastWork => "leastwork",
+            Policy::RoundRobin => "round_robin",
+            Policy::Random => "random",
+            Policy::PowerOfTwo => "power_of_two",
+            Policy::SglangCacheAware => "sglang_cache_aware",
+            Policy::DynamoCost => "dynamo_cost",
+        }
+    }
+
+    /// Parse a public name.
+    pub fn from_name(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| Error::UnknownPolicy(name.to_owned()))
+    }
+
+    /// Whether the picker needs every instance's cache hit (one index walk per request).
+    pub fn scores_cache(self) -> bool {
+        matches!(
+            self,
+            Policy::Lmetric
+                | Policy::Unified
+                | Policy::LeastWork
+                | Policy::SglangCacheAware
+                | Policy::DynamoCost
+        )
+    }
+}
+
+/// Tunables of the policies; each policy reads only its own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyParams {
+    /// `unified`: the affinity instance is overloaded above `avg * overload_factor` requests.
+    pub overload_factor: f64,
+    /// `unified`: stick only when `hit / input_length > hit_ratio_gate`.
+    pub hit_ratio_gate: f64,
+    /// `sglang_cache_aware`: follow the best match when its match rate is above this.
+    pub cache_threshold: f64,
+    /// `sglang_cache_aware`: imbalanced when `max - min > balance_abs` requests ...
+    pub balance_abs: u64,
+    /// ... and `max > min * balance_rel`.
+    pub balance_rel: f64,
+    /// `dynamo_cost`: weight of the prefill blocks in the cost.
+    pub overlap_weight: f64,
+    /// `dynamo_cost`: 0 takes the argmin; above 0, softmax sampling over the negated costs.
+    pub temperature: f64,
+}
+
+impl Default for PolicyParams {
+    fn default() -> Self {
+        Self {
+            overload_factor: 2.0,
+            hit_ratio_gate: 0.5,
+            cache_threshold: 0.5,
+            balance_abs: 32,
+            balance_rel: 1.1,
+            overlap_weight: 1.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+impl PolicyParams {
+    /// Reject values outside each parameter's domain, naming the parameter.
+    pub fn validate(&self) -> Result<()> {
+        let checks = [
+            ("overload_factor", self.overload_factor, 0.0),
+            ("hit_ratio_gate", self.hit_ratio_gate, 0.0),
+            ("cache_threshold", self.cache_threshold, 0.0),
+            ("balance_rel", self.balance_rel, 0.0),
+            ("overlap_weight", self.overlap_weight, 0.0),
+            ("temperature", self.temperature, 0.0),
+        ];
+        for (name, value, min) in checks {
+            if !value.is_finite() || value < min {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be a finite number >= {min}, got {value}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for p in Policy::ALL {
+            assert_eq!(Policy::from_name(p.name()), Ok(p));
+        }
+        let err = Policy::from_name("lru").unwrap_err();
+        assert!(err.to_string().contains("unknown policy \"lru\""));
+        assert!(err.to_string().contains("leastwork"));
+    }
+
+    #[test]
+    fn params_are_validated() {
+        assert!(PolicyParams::default().validate().is_ok());
+        let bad = PolicyParams {
+            temperature: -1.0,
+            ..PolicyParams::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
+        let nan = PolicyParams {
+            overload_factor: f64::NAN,
+            ..PolicyParams::default()
+        };
+        assert!(nan.validate().is_err());
+    }
+}

@@ -1,0 +1,324 @@
+//! The router: per-instance counters, the cache model, session affinity and the request
+//! state machine (route → first_token → finish) of the semantics page, §2–3.
+//!
+//! `route` costs one cluster-index walk over the request's keys (policies that score the
+//! cache), one pass over the instances, and one touch per key on the chosen instance:
+//! O(keys + instances). `first_token` and `finish` are O(1). Not synchronised: wrap it in a
+//! lock to share it between threads (the Python binding does).
+
+use rustc_hash::FxHashMap;
+
+use crate::cache::ClusterCache;
+use crate::error::{Error, Result};
+use crate::keys::hit_tokens;
+use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
+use crate::policy::{Policy, PolicyParams};
+use crate::rng::SplitMix64;
+
+/// A request or session id: an integer or a string, never equal to each other.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Id {
+    /// An integer id.
+    Int(i64),
+    /// A string id.
+    Str(String),
+}
+
+impl std::fmt::Display for Id {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Id::Int(i) => write!(f, "{i}"),
+            Id::Str(s) => write!(f, "{s:?}"),
+        }
+    }
+}
+
+/// How a router is set up.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Tokens per block key.
+    pub block_size: u64,
+    /// Keys each instance's cache holds; `None` = unbounded.
+    pub cache_capacity_blocks: Option<usize>,
+    /// Seed of the RNG used by `random`, `power_of_two` and `dynamo_cost`.
+    pub seed: u64,
+    /// Policy parameters.
+    pub params: PolicyParams,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 512,
+            cache_capacity_blocks: None,
+            seed: 0,
+            params: PolicyParams::default(),
+        }
+    }
+}
+
+/// The outcome of one `route`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// The chosen instance.
+    pub instance: usize,
+    /// Estimated cached tokens on it before this request.
+    pub hit_tokens: u64,
+    /// `input_length - hit_tokens`: the prefill this request adds there.
+    pub new_prefill: u64,
+    /// Why it was chosen.
+    pub branch: Branch,
+}
+
+/// Snapshot of one instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceState {
+    /// The counters.
+    pub load: InstanceLoad,
+    /// Keys resident in its cache model.
+    pub cached_blocks: usize,
+}
+
+#[derive(Debug, Clone)]
+struct InFlight {
+    instance: usize,
+    input_length: u64,
+    new_prefill: u64,
+    first_token_seen: bool,
+}
+
+/// A KV-cache-aware router over a set of instances.
+#[derive(Debug, Clone)]
+pub struct Router {
+    policy: Policy,
+    config: RouterConfig,
+    loads: Vec<InstanceLoad>,
+    cache: ClusterCache,
+    requests: FxHashMap<Id, InFlight>,
+    affinity: FxHashMap<Id, usize>,
+    state: PickState,
+    scratch: Vec<u32>,
+}
+
+impl Router {
+    /// A router over `num_instances` available instances with empty caches.
+    pub fn new(num_instances: usize, policy: Policy, config: RouterConfig) -> Result<Self> {
+        if config.block_size == 0 {
+            return Err(Error::InvalidArgument(
+                "block_size must be positive, got 0".into(),
+            ));
+        }
+        if config.cache_capacity_blocks == Some(0) {
+            return Err(Error::InvalidArgument(
+                "cache_capacity_blocks must be positive or None (unbounded), got 0".into(),
+            ));
+        }
+        config.params.validate()?;
+        Ok(Self {
+            policy,
+            loads: vec![
+                InstanceLoad {
+                    available: true,
+                    ..InstanceLoad::default()
+                };
+                num_instances
+            ],
+            cache: ClusterCache::new(num_instances, config.cache_capacity_blocks),
+            requests: FxHashMap::default(),
+            affinity: FxHashMap::default(),
+            state: PickState {
+                rr: 0,
+                rng: SplitMix64::new(config.seed),
+            },
+            scratch: Vec::new(),
+            config,
+        })
+    }
+
+    /// The policy in use.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Number of instances ever added (indices `0..n`).
+    pub fn num_instances(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// Number of requests in flight.
+    pub fn in_flight(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Pick an instance for a request and count it there (semantics §2 step 1).
+    pub fn route(
+        &mut self,
+        request: Id,
+        keys: &[u64],
+        input_length: u64,
+        session: Option<&Id>,
+    ) -> Result<Decision> {
+        if self.requests.contains_key(&request) {
+            return Err(Error::DuplicateRequest(request.to_string()));
+        }
+        let affinity = session
+            .and_then(|s| self.affinity.get(s).copied())
+            .filter(|&a| self.loads[a].available);
+        if self.policy.scores_cache() {
+            self.cache.matched_blocks_all(keys, &mut self.scratch);
+        } else {
+            self.scratch.clear();
+        }
+        let cache = &self.cache;
+        let input = PickInput {
+            loads: &self.loads,
+            matched: &self.scratch,
+            cached_blocks: &|i| cache.cached_blocks(i),
+            input_length,
+            block_size: self.config.block_size,
+            affinity,
+        };
+        let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
+            .ok_or(Error::NoInstanceAvailable)?;
+        let matched = match self.scratch.get(instance) {
+            Some(&m) => m as usize,
+            None => self.cache.matched_blocks(instance, keys),
+        };
+        let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
+        let new_prefill = input_length - hit;
+        let load = &mut self.loads[instance];
+        load.num_requests += 1;
+        load.ongoing_tokens += input_length;
+        load.pending_prefill_tokens += new_prefill;
+        self.cache.touch_request(instance, keys);
+        if let (Some(s), true) = (session, self.uses_affinity()) {
+            self.affinity.insert(s.clone(), instance);
+        }
+        self.requests.insert(
+            request,
+            InFlight {
+                instance,
+                input_length,
+                new_prefill,
+                first_token_seen: false,
+            },
+        );
+        Ok(Decision {
+            instance,
+            hit_tokens: hit,
+            new_prefill,
+            branch,
+        })
+    }
+
+    /// The first token came back (§2 step 2). Returns whether anything changed.
+    pub fn first_token(&mut self, request: &Id) -> bool {
+        let Some(r) = self.requests.get_mut(request) else {
+            return false;
+        };
+        if r.first_token_seen {
+            return false;
+        }
+        r.first_token_seen = true;
+        let load = &mut self.loads[r.instance];
+        load.pending_prefill_tokens -= r.new_prefill;
+        load.ongoing_decode_tokens += r.input_length;
+        true
+    }
+
+    /// The request ended: success, error or abort (§2 step 3). Returns whether it was in flight.
+    pub fn finish(&mut self, request: &Id) -> bool {
+        let Some(r) = self.requests.remove(request) else {
+            return false;
+        };
+        let load = &mut self.loads[r.instance];
+        load.num_requests -= 1;
+        load.ongoing_tokens -= r.input_length;
+        if r.first_token_seen {
+            load.ongoing_decode_tokens -= r.input_length;
+        } else {
+            load.pending_prefill_tokens -= r.new_prefill;
+        }
+        true
+    }
+
+    /// Estimated cached tokens of a request on one instance; reads only.
+    pub fn estimate_cache_hit(
+        &self,
+        instance: usize,
+        keys: &[u64],
+        input_length: u64,
+    ) -> Result<u64> {
+        self.check_instance(instance as i64)?;
+        let matched = self.cache.matched_blocks(instance, keys) as u64;
+        Ok(hit_tokens(matched, self.config.block_size, input_length))
+    }
+
+    /// Estimated cached tokens on every instance, from one index walk; reads only.
+    pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
+        let mut matched = Vec::new();
+        self.cache.matched_blocks_all(keys, &mut matched);
+        matched
+            .iter()
+            .map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length))
+            .collect()
+    }
+
+    /// A snapshot of every instance.
+    pub fn state(&self) -> Vec<InstanceState> {
+        self.loads
+            .iter()
+            .enumerate()
+            .map(|(i, l)| InstanceState {
+                load: l.clone(),
+                cached_blocks: self.cache.cached_blocks(i),
+            })
+            .collect()
+    }
+
+    /// Mark an instance up or down. Down instances take no new requests; their in-flight
+    /// requests, counters and cache model stay until those requests finish.
+    pub fn set_available(&mut self, instance: i64, available: bool) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        self.loads[i].available = available;
+        Ok(())
+    }
+
+    /// Add an available instance with an empty cache; returns its index.
+    pub fn add_instance(&mut self) -> usize {
+        self.loads.push(InstanceLoad {
+            available: true,
+            ..InstanceLoad::default()
+        });
+        self.cache.add_instance()
+    }
+
+    /// The affinity instance of a session, if it has one.
+    pub fn session_affinity(&self, session: &Id) -> Option<usize> {
+        self.affinity.get(session).copied()
+    }
+
+    /// Keys resident on an instance, most recent first.
+    pub fn cached_keys(&self, instance: i64) -> Result<Vec<u64>> {
+        Ok(self.cache.keys_mru(self.check_instance(instance)?))
+    }
+
+    fn uses_affinity(&self) -> bool {
+        matches!(self.policy, Policy::Sticky | Policy::Unified)
+    }
+
+    fn check_instance(&self, instance: i64) -> Result<usize> {
+        usize::try_from(instance)
+            .ok()
+            .filter(|&i| i < self.loads.len())
+            .ok_or(Error::UnknownInstance {
+                index: instance,
+                count: self.loads.len(),
+            })
+    }
+}

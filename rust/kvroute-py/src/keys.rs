@@ -1,0 +1,60 @@
+//! Module functions: `block_hashes`, `chain_ids`, `policies`. Stateless, thread-safe;
+//! hashing runs with the GIL held (a 200k-token prompt takes well under a millisecond).
+
+use kvroute_core::keys::{self, TokenOutOfRange};
+use kvroute_core::Policy;
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::prelude::*;
+
+use crate::convert::{self, Tokens};
+use crate::errors::invalid;
+
+/// Prefix-chained 64-bit block keys of `token_ids`, one per `block_size` tokens.
+#[pyfunction]
+#[pyo3(signature = (token_ids, block_size = 512))]
+pub fn block_hashes<'py>(
+    token_ids: &Bound<'py, PyAny>,
+    block_size: i64,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let py = token_ids.py();
+    let bs = usize::try_from(block_size)
+        .ok()
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid(py, format!("block_size must be positive, got {block_size}")))?;
+    let tokens = convert::tokens(token_ids, "token_ids")?;
+    let result = match &tokens {
+        Tokens::U32(a) => match a.as_slice() {
+            Ok(s) => Ok(keys::block_hashes_u32(s, bs)),
+            Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<u32>>(), bs),
+        },
+        Tokens::I32(a) => match a.as_slice() {
+            Ok(s) => keys::block_hashes(s, bs),
+            Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<i32>>(), bs),
+        },
+        Tokens::I64(a) => match a.as_slice() {
+            Ok(s) => keys::block_hashes(s, bs),
+            Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<i64>>(), bs),
+        },
+        Tokens::Owned(v) => keys::block_hashes(v, bs),
+    };
+    let keys = result.map_err(|TokenOutOfRange { position, value }| {
+        invalid(
+            py,
+            format!("token_ids[{position}] = {value} is outside the token id range 0..2**32"),
+        )
+    })?;
+    Ok(keys.into_pyarray(py))
+}
+
+/// Chain per-block ids that are not chained yet: `key_i = H(key_{i-1}, id_i)`.
+#[pyfunction]
+pub fn chain_ids<'py>(ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let keys = convert::keys(ids, "ids")?;
+    Ok(keys::chain_ids(keys.as_slice()).into_pyarray(ids.py()))
+}
+
+/// Names of every routing policy.
+#[pyfunction]
+pub fn policies() -> Vec<&'static str> {
+    Policy::ALL.iter().map(|p| p.name()).collect()
+}

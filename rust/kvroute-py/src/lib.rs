@@ -1,0 +1,29 @@
+//! `kvroute._core`: the PyO3 bindings of kvroute-core. One small file per exposed piece:
+//! [`router`] (the `Router` class), [`keys`] (key functions), [`convert`] (argument
+//! conversion) and [`errors`] (exception mapping).
+
+mod convert;
+mod errors;
+mod keys;
+mod router;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<router::PyRouter>()?;
+    m.add_function(wrap_pyfunction!(keys::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(keys::chain_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(keys::policies, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "BUILD_PROFILE",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+    )?;
+    m.add("ROOT_SEED", kvroute_core::keys::ROOT_SEED)?;
+    Ok(())
+}

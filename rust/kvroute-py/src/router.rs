@@ -1,0 +1,264 @@
+//! `kvroute.Router`: the core router behind a mutex, so one instance can be shared by
+//! several Python threads. Each call holds the lock for one O(keys + instances) step and
+//! never releases the GIL while holding it, so lock order is always GIL → router.
+
+use std::sync::{Mutex, MutexGuard};
+
+use kvroute_core::{Policy, PolicyParams, Router, RouterConfig};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::{count, id, keys, optional_id};
+use crate::errors::{invalid, to_py};
+
+/// A KV-cache-aware router over `num_instances` engines (see the `kvroute` docs).
+#[pyclass(frozen, name = "Router", module = "kvroute._core")]
+pub struct PyRouter {
+    inner: Mutex<Router>,
+}
+
+impl PyRouter {
+    fn lock(&self) -> MutexGuard<'_, Router> {
+        // A panic inside the core cannot leave the counters half-updated in a way later
+        // calls could not tolerate, so a poisoned lock is still usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn positive(py: Python<'_>, value: i64, name: &str) -> PyResult<u64> {
+    u64::try_from(value)
+        .ok()
+        .filter(|&v| v > 0)
+        .ok_or_else(|| invalid(py, format!("{name} must be positive, got {value}")))
+}
+
+#[pymethods]
+impl PyRouter {
+    #[new]
+    #[pyo3(signature = (num_instances, policy = "unified", *, block_size = 512, cache_capacity_blocks = None,
+        overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
+        balance_rel = 1.1, overlap_weight = 1.0, temperature = 0.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_instances: i64,
+        policy: &str,
+        block_size: i64,
+        cache_capacity_blocks: Option<i64>,
+        overload_factor: f64,
+        hit_ratio_gate: f64,
+        seed: i64,
+        cache_threshold: f64,
+        balance_abs: i64,
+        balance_rel: f64,
+        overlap_weight: f64,
+        temperature: f64,
+    ) -> PyResult<Self> {
+        let n = usize::try_from(num_instances).map_err(|_| {
+            invalid(
+                py,
+                format!("num_instances must be >= 0, got {num_instances}"),
+            )
+        })?;
+        let policy = Policy::from_name(policy).map_err(|e| to_py(py, e))?;
+        let capacity = cache_capacity_blocks
+            .map(|c| positive(py, c, "cache_capacity_blocks"))
+            .transpose()?;
+        let config = RouterConfig {
+            block_size: positive(py, block_size, "block_size")?,
+            cache_capacity_blocks: capacity.map(|c| c as usize),
+            seed: u64::try_from(seed)
+                .map_err(|_| invalid(py, format!("seed must be >= 0, got {seed}")))?,
+            params: PolicyParams {
+                overload_factor,
+                hit_ratio_gate,
+                cache_threshold,
+                balance_abs: u64::try_from(balance_abs).map_err(|_| {
+                    invalid(py, format!("balance_abs must be >= 0, got {balance_abs}"))
+                })?,
+                balance_rel,
+                overlap_weight,
+                temperature,
+            },
+        };
+        let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
+        Ok(Self {
+            inner: Mutex::new(router),
+        })
+    }
+
+    /// Pick an instance for a request and count it there; returns the instance index.
+    #[pyo3(signature = (request_id, hash_ids, input_length, session_id = None))]
+    fn route(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        hash_ids: &Bound<'_, PyAny>,
+        input_length: &Bound<'_, PyAny>,
+        session_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        self.route_info_impl(request_id, hash_ids, input_length, session_id)
+            .map(|d| d.instance)
+    }
+
+    /// Like `route`, returning the decision: instance, hit_tokens, new_prefill, branch.
+    #[pyo3(signature = (request_id, hash_ids, input_length, session_id = None))]
+    fn route_info<'py>(
+        &self,
+        request_id: &Bound<'py, PyAny>,
+        hash_ids: &Bound<'py, PyAny>,
+        input_length: &Bound<'py, PyAny>,
+        session_id: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let d = self.route_info_impl(request_id, hash_ids, input_length, session_id)?;
+        let out = PyDict::new(request_id.py());
+        out.set_item("instance", d.instance)?;
+        out.set_item("hit_tokens", d.hit_tokens)?;
+        out.set_item("new_prefill", d.new_prefill)?;
+        out.set_item("branch", d.branch.name())?;
+        Ok(out)
+    }
+
+    /// The request's first token came back. Returns whether anything changed.
+    fn first_token(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rid = id(request_id, "request_id")?;
+        Ok(self.lock().first_token(&rid))
+    }
+
+    /// The request ended (success, error or abort). Returns whether it was in flight.
+    fn finish(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rid = id(request_id, "request_id")?;
+        Ok(self.lock().finish(&rid))
+    }
+
+    /// Estimated cached tokens of a request on one instance; changes nothing.
+    fn estimate_cache_hit(
+        &self,
+        instance: i64,
+        hash_ids: &Bound<'_, PyAny>,
+        input_length: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let py = hash_ids.py();
+        let keys = keys(hash_ids, "hash_ids")?;
+        let n = count(input_length, "input_length")?;
+        let inst = usize::try_from(instance).unwrap_or(usize::MAX);
+        self.lock()
+            .estimate_cache_hit(inst, keys.as_slice(), n)
+            .map_err(|e| match e {
+                kvroute_core::Error::UnknownInstance { count, .. } => to_py(
+                    py,
+                    kvroute_core::Error::UnknownInstance {
+                        index: instance,
+                        count,
+                    },
+                ),
+                other => to_py(py, other),
+            })
+    }
+
+    /// Estimated cached tokens on every instance (one index walk); changes nothing.
+    fn estimate_cache_hits(
+        &self,
+        hash_ids: &Bound<'_, PyAny>,
+        input_length: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<u64>> {
+        let keys = keys(hash_ids, "hash_ids")?;
+        let n = count(input_length, "input_length")?;
+        Ok(self.lock().estimate_cache_hits(keys.as_slice(), n))
+    }
+
+    /// One dict per instance: num_requests, ongoing_tokens, pending_prefill_tokens,
+    /// ongoing_decode_tokens, cached_blocks, available.
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let snapshot = self.lock().state();
+        snapshot
+            .into_iter()
+            .map(|s| {
+                let d = PyDict::new(py);
+                d.set_item("num_requests", s.load.num_requests)?;
+                d.set_item("ongoing_tokens", s.load.ongoing_tokens)?;
+                d.set_item("pending_prefill_tokens", s.load.pending_prefill_tokens)?;
+                d.set_item("ongoing_decode_tokens", s.load.ongoing_decode_tokens)?;
+                d.set_item("cached_blocks", s.cached_blocks)?;
+                d.set_item("available", s.load.available)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Mark an instance up (True) or down (False).
+    fn set_available(&self, py: Python<'_>, instance: i64, flag: bool) -> PyResult<()> {
+        self.lock()
+            .set_available(instance, flag)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Add an available instance with an empty cache; returns its index.
+    fn add_instance(&self) -> usize {
+        self.lock().add_instance()
+    }
+
+    /// The session's affinity instance, or None.
+    fn session_affinity(&self, session_id: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let sid = id(session_id, "session_id")?;
+        Ok(self.lock().session_affinity(&sid))
+    }
+
+    /// Keys resident on an instance's cache model, most recently touched first.
+    fn cached_keys(&self, py: Python<'_>, instance: i64) -> PyResult<Vec<u64>> {
+        self.lock().cached_keys(instance).map_err(|e| to_py(py, e))
+    }
+
+    /// The policy's name.
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.lock().policy().name()
+    }
+
+    /// Number of instances ever added.
+    #[getter]
+    fn num_instances(&self) -> usize {
+        self.lock().num_instances()
+    }
+
+    /// Tokens per block key.
+    #[getter]
+    fn block_size(&self) -> u64 {
+        self.lock().config().block_size
+    }
+
+    /// Number of requests routed and not finished.
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.lock().in_flight()
+    }
+
+    fn __repr__(&self) -> String {
+        let r = self.lock();
+        format!(
+            "Router(num_instances={}, policy={:?}, block_size={}, in_flight={})",
+            r.num_instances(),
+            r.policy().name(),
+            r.config().block_size,
+            r.in_flight()
+        )
+    }
+}
+
+impl PyRouter {
+    fn route_info_impl(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        hash_ids: &Bound<'_, PyAny>,
+        input_length: &Bound<'_, PyAny>,
+        session_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<kvroute_core::Decision> {
+        let py = request_id.py();
+        let rid = id(request_id, "request_id")?;
+        let keys = keys(hash_ids, "hash_ids")?;
+        let n = count(input_length, "input_length")?;
+        let sid = optional_id(session_id, "session_id")?;
+        self.lock()
+            .route(rid, keys.as_slice(), n, sid.as_ref())
+            .map_err(|e| to_py(py, e))
+    }
+}
