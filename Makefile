@@ -11,12 +11,10 @@ STAMP := $(VENV)/.deps-installed
 
 all: test
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "numpy>=1.26" "click>=8.1" "rich>=13" \
-		"pytest>=8" "hypothesis>=6.100" "pytest-benchmark>=4" "xxhash>=3.4" \
-		"ruff>=0.6" "mypy>=1.11" "maturin>=1.9.4,<2"
+	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
 
 build-dev: $(STAMP)
