@@ -1,10 +1,20 @@
 """Type stubs of the native extension ``kvroute._core`` (checked by ``mypy.stubtest``)."""
 
 from collections.abc import Sequence
-from typing import Final, Literal, TypeAlias, TypedDict
+from typing import Final, Literal, TypeAlias, TypedDict, final
 
 import numpy as np
 import numpy.typing as npt
+
+__all__ = [
+    "BUILD_PROFILE",
+    "ROOT_SEED",
+    "Router",
+    "__version__",
+    "block_hashes",
+    "chain_ids",
+    "policies",
+]
 
 __version__: Final[str]
 BUILD_PROFILE: Final[Literal["debug", "release"]]
@@ -38,6 +48,7 @@ def block_hashes(token_ids: TokenIds, block_size: int = 512) -> npt.NDArray[np.u
 def chain_ids(ids: HashIds) -> npt.NDArray[np.uint64]: ...
 def policies() -> list[str]: ...
 
+@final
 class Router:
     def __new__(
         cls,
@@ -86,4 +97,3 @@ class Router:
     def block_size(self) -> int: ...
     @property
     def in_flight(self) -> int: ...
-

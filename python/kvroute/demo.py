@@ -13,7 +13,7 @@ This is not the cluster simulator (continuous batching, KV pool, preemption); it
 the router realistic request lifetimes. Per policy it reports the estimated prefix-cache hit
 rate, the request balance (``req_bal``), and the model's TTFT percentiles.
 
-Complexity: O(requests × (keys + instances)) routing plus O(requests log requests) events.
+Complexity: O(requests x (keys + instances)) routing plus O(requests log requests) events.
 """
 
 from __future__ import annotations
@@ -84,9 +84,11 @@ def read_mooncake_jsonl(path: Path) -> list[Request]:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise InvalidArgumentError(f"{path}:{lineno}: bad trace line: {exc!r}") from exc
             session = next(
-                (prefix_end[(j, keys[j])]
-                 for j in range(len(keys) - 1, MIN_SESSION_PREFIX_BLOCKS - 2, -1)
-                 if (j, keys[j]) in prefix_end),
+                (
+                    prefix_end[(j, keys[j])]
+                    for j in range(len(keys) - 1, MIN_SESSION_PREFIX_BLOCKS - 2, -1)
+                    if (j, keys[j]) in prefix_end
+                ),
                 len(out),
             )
             if len(keys) > MIN_SESSION_PREFIX_BLOCKS:
@@ -166,7 +168,8 @@ def run_policy(
     )
 
 
-def run_all(requests: list[Request], names: list[str] | None = None, instances: int = 8
-            ) -> list[PolicyResult]:
+def run_all(
+    requests: list[Request], names: list[str] | None = None, instances: int = 8
+) -> list[PolicyResult]:
     """``run_policy`` for each name (default: every policy)."""
     return [run_policy(requests, name, instances=instances) for name in names or policies()]

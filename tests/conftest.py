@@ -1,0 +1,25 @@
+"""Shared test setup.
+
+pytest runs with ``filterwarnings = error``; importing a debug build of kvroute warns
+(``kvroute.errors.DebugBuildWarning``) once, at import. Import it here, before any test
+module is collected, with that one warning silenced, and keep it silenced for the run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"kvroute's native extension is a debug build")
+    import kvroute  # noqa: F401
+
+# Let test modules `import reference` (tests/ is not a package).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("filterwarnings", "ignore::kvroute.errors.DebugBuildWarning")
