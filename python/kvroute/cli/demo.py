@@ -1,4 +1,4 @@
-"""The ``kvroute`` command line (click). Each subcommand is a thin wrapper over the API."""
+"""``kvroute demo`` and ``kvroute policies``."""
 
 from __future__ import annotations
 
@@ -14,24 +14,18 @@ from rich.table import Table
 
 import kvroute
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 BUNDLED_TRACE = REPO_ROOT / "traces" / "mooncake_conversation_head1000.jsonl"
 
 
-@click.group()
-@click.version_option(kvroute.__version__, prog_name="kvroute")
-def main() -> None:
-    """KV-cache-aware routing of LLM requests: route, estimate, compare policies."""
-
-
-@main.command("policies")
+@click.command("policies")
 def list_policies() -> None:
     """List every routing policy."""
     for name in kvroute.policies():
         click.echo(name)
 
 
-@main.command()
+@click.command()
 @click.option(
     "--trace",
     "trace_path",
@@ -102,7 +96,3 @@ def demo(
         f"[dim]TTFT from the demo's load model (serial prefill at 6500 tok/s per "
         f"instance, 9 ms/token decode); {elapsed:.1f} s for all policies.[/dim]"
     )
-
-
-if __name__ == "__main__":
-    main()

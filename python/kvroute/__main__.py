@@ -1,0 +1,5 @@
+"""``python -m kvroute``: the command line."""
+
+from kvroute.cli import main
+
+main()

@@ -1,0 +1,207 @@
+"""Parity of ``kvroute.Router`` (Rust) with ``reference.ReferenceRouter`` (the spec in Python).
+
+Both routers are driven with the same random event sequences (route, first_token, finish,
+set_available, add_instance, cache estimates) and must agree on every return value, every
+error, every ``state()``, every ``cached_keys`` order and every session affinity, after every
+step; once every request has finished, all counters must be exactly zero.
+
+Keys are prefixes of a few random base chains plus short random tails, so caches really hit
+(and, with small capacities, really evict); input lengths are mostly ``len(keys) * block_size``
+minus a partial block, sometimes anything (0, or longer than the keys cover).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import kvroute
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import POLICIES, ReferenceRouter
+
+U64 = st.integers(0, 2**64 - 1)
+# int and str ids are distinct keys: 0 and "0" are two sessions.
+SESSIONS: list[Any] = [None, 0, 1, "0", "s1", "s2"]
+REQUEST_IDS = st.one_of(st.integers(0, 25), st.integers(0, 25).map(str))
+MAX_INSTANCES = 6
+
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@st.composite
+def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
+    num_instances = draw(st.integers(1, 5), label="num_instances")
+    kw: dict[str, Any] = {
+        "block_size": draw(st.sampled_from([4, 16, 512, 1])),
+        "cache_capacity_blocks": draw(st.sampled_from([None, None, 1, 2, 3, 5, 8, 32])),
+        "seed": draw(st.one_of(st.integers(0, 3), st.integers(0, 2**63 - 1))),
+    }
+    if policy == "unified":
+        kw["overload_factor"] = draw(st.sampled_from([2.0, 0.0, 1.0, 1.5, 4.0]))
+        kw["hit_ratio_gate"] = draw(st.sampled_from([0.5, 0.0, 0.25, 0.9]))
+    if policy == "sglang_cache_aware":
+        kw["cache_threshold"] = draw(st.sampled_from([0.5, 0.0, 0.3, 0.9]))
+        kw["balance_abs"] = draw(st.sampled_from([32, 0, 1, 2]))
+        kw["balance_rel"] = draw(st.sampled_from([1.1, 0.0, 1.0, 2.0]))
+    if policy == "dynamo_cost":
+        kw["overlap_weight"] = draw(st.sampled_from([1.0, 0.0, 0.5, 2.0]))
+        kw["temperature"] = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0, 3.0]))
+    return num_instances, kw
+
+
+def draw_request(data: st.DataObject, bases: list[list[int]], bs: int) -> tuple[list[int], int]:
+    """Keys: a prefix of one base chain plus a short tail; length: about len(keys) * bs."""
+    base = data.draw(st.sampled_from(bases), label="base")
+    prefix = data.draw(st.integers(0, len(base)), label="prefix")
+    tail = data.draw(st.lists(st.one_of(st.integers(0, 20), U64), max_size=3), label="tail")
+    keys = base[:prefix] + tail
+    full = len(keys) * bs
+    partial_last_block = st.integers(max(0, full - bs + 1), full)
+    anything = st.integers(0, full + 2 * bs)
+    length = data.draw(st.one_of(partial_last_block, partial_last_block, anything), label="len")
+    return keys, length
+
+
+def as_hash_ids(data: st.DataObject, keys: list[int]) -> Any:
+    """The same keys in one of the accepted input forms."""
+    form = data.draw(st.sampled_from(["list", "list", "uint64", "int64", "strided"]))
+    if form == "list":
+        return list(keys)
+    arr = np.array(keys, dtype=np.uint64)
+    if form == "int64":
+        return arr.view(np.int64)
+    if form == "strided":
+        wide = np.zeros(2 * len(keys), dtype=np.uint64)
+        wide[::2] = arr
+        return wide[::2]
+    return arr
+
+
+def call_both(rust: Callable[[], Any], ref: Callable[[], Any]) -> Any:
+    """Call both; they must return equal values or raise the same kvroute error class."""
+    try:
+        expected = ref()
+    except kvroute.KvrouteError as e:
+        with pytest.raises(type(e)) as info:
+            rust()
+        assert type(info.value) is type(e)
+        return e
+    got = rust()
+    assert got == expected
+    assert type(got) is type(expected)
+    return got
+
+
+def assert_same_state(rust: kvroute.Router, ref: ReferenceRouter) -> None:
+    assert rust.state() == ref.state()
+    assert rust.num_instances == ref.num_instances
+    assert rust.in_flight == ref.in_flight
+    for i in range(ref.num_instances):
+        assert rust.cached_keys(i) == ref.cached_keys(i), f"cache of instance {i}"
+    for s in SESSIONS:
+        if s is not None:
+            assert rust.session_affinity(s) == ref.session_affinity(s), f"session {s!r}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@SETTINGS
+@given(data=st.data())
+def test_router_matches_reference(policy: str, data: st.DataObject) -> None:
+    n, kw = data.draw(router_config(policy), label="config")
+    bs = kw["block_size"]
+    bases = data.draw(
+        st.lists(st.lists(U64, min_size=1, max_size=10), min_size=1, max_size=3), label="bases"
+    )
+    rust = kvroute.Router(n, policy, **kw)
+    ref = ReferenceRouter(n, policy, **kw)
+    assert rust.policy == policy and rust.block_size == bs
+
+    steps = data.draw(st.integers(1, 40), label="steps")
+    for _ in range(steps):
+        op = data.draw(
+            st.sampled_from(
+                ["route"] * 6 + ["first_token"] * 2 + ["finish"] * 2 + ["avail", "add", "est"]
+            ),
+            label="op",
+        )
+        live = list(ref.requests)
+        if op == "route":
+            rid = data.draw(REQUEST_IDS, label="request_id")
+            sid = data.draw(st.sampled_from(SESSIONS), label="session_id")
+            keys, length = draw_request(data, bases, bs)
+            hash_ids = as_hash_ids(data, keys)
+            if data.draw(st.booleans(), label="route_info"):
+                call_both(
+                    lambda: rust.route_info(rid, hash_ids, length, session_id=sid),
+                    lambda: ref.route_info(rid, keys, length, session_id=sid),
+                )
+            else:
+                call_both(
+                    lambda: rust.route(rid, hash_ids, length, sid),
+                    lambda: ref.route(rid, keys, length, sid),
+                )
+        elif op in ("first_token", "finish"):
+            pool = st.sampled_from(live) if live else REQUEST_IDS
+            rid = data.draw(st.one_of(pool, REQUEST_IDS) if live else pool, label="rid")
+            call_both(lambda: getattr(rust, op)(rid), lambda: getattr(ref, op)(rid))
+        elif op == "avail":
+            inst = data.draw(st.integers(0, ref.num_instances - 1), label="instance")
+            flag = data.draw(st.booleans(), label="flag")
+            call_both(lambda: rust.set_available(inst, flag), lambda: ref.set_available(inst, flag))
+        elif op == "add":
+            if ref.num_instances < MAX_INSTANCES:
+                call_both(rust.add_instance, ref.add_instance)
+        else:
+            keys, length = draw_request(data, bases, bs)
+            hash_ids = as_hash_ids(data, keys)
+            call_both(
+                lambda: rust.estimate_cache_hits(hash_ids, length),
+                lambda: ref.estimate_cache_hits(keys, length),
+            )
+            for i in range(ref.num_instances):
+                call_both(
+                    lambda: rust.estimate_cache_hit(i, hash_ids, length),  # noqa: B023
+                    lambda: ref.estimate_cache_hit(i, keys, length),  # noqa: B023
+                )
+        assert_same_state(rust, ref)
+
+    # Finish everything (some after their first token): every counter back to exactly zero.
+    remaining = data.draw(st.permutations(list(ref.requests)), label="finish order")
+    for rid in remaining:
+        if data.draw(st.booleans(), label="first token first"):
+            call_both(lambda: rust.first_token(rid), lambda: ref.first_token(rid))  # noqa: B023
+        assert call_both(lambda: rust.finish(rid), lambda: ref.finish(rid)) is True  # noqa: B023
+        assert_same_state(rust, ref)
+    assert rust.in_flight == 0
+    for s in rust.state():
+        assert s["num_requests"] == 0
+        assert s["ongoing_tokens"] == 0
+        assert s["pending_prefill_tokens"] == 0
+        assert s["ongoing_decode_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=30, deadline=None, derandomize=False)
+@given(
+    n=st.integers(1, 6),
+    seed=st.integers(0, 2**63 - 1),
+    rounds=st.integers(1, 60),
+    bs=st.sampled_from([4, 512]),
+)
+def test_fresh_traffic_without_finishes(policy: str, n: int, seed: int, rounds: int, bs: int) -> None:
+    """A burst of distinct one-block requests, none finished: exercises ties and the counters."""
+    rust = kvroute.Router(n, policy, block_size=bs, seed=seed)
+    ref = ReferenceRouter(n, policy, block_size=bs, seed=seed)
+    for r in range(rounds):
+        keys = [r % 7]
+        sid = r % 3 if r % 2 else None
+        assert rust.route_info(r, keys, bs - 1, sid) == ref.route_info(r, keys, bs - 1, sid)
+        assert rust.state() == ref.state()
