@@ -20,6 +20,7 @@ from kvroute._core import (
     __version__,
     block_hashes,
     chain_ids,
+    chain_ids_lists,
     policies,
 )
 from kvroute.errors import (
@@ -56,5 +57,6 @@ __all__ = [
     "__version__",
     "block_hashes",
     "chain_ids",
+    "chain_ids_lists",
     "policies",
 ]

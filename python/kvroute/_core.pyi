@@ -13,6 +13,7 @@ __all__ = [
     "__version__",
     "block_hashes",
     "chain_ids",
+    "chain_ids_lists",
     "policies",
 ]
 
@@ -46,6 +47,9 @@ class RouteInfo(TypedDict):
 
 def block_hashes(token_ids: TokenIds, block_size: int = 512) -> npt.NDArray[np.uint64]: ...
 def chain_ids(ids: HashIds) -> npt.NDArray[np.uint64]: ...
+def chain_ids_lists(
+    values: npt.NDArray[np.uint64], offsets: npt.NDArray[np.int64]
+) -> npt.NDArray[np.uint64]: ...
 def policies() -> list[str]: ...
 
 @final

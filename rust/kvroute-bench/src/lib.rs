@@ -5,18 +5,21 @@
 //!
 //! - `sessions` conversations (at least 512, and at least one per instance), in 16 groups;
 //!   the sessions of a group share a system prompt of `min(4, keys / 4)` blocks, then diverge.
+//! - Background load: `2 × instances` requests stay in flight (half of them past their first
+//!   token), so the policies score real, non-zero loads. They are routed first.
 //! - Warm-up routes every session twice (half its prefix, then the whole `keys - 1` block
 //!   prefix) and finishes each request, so the unified policy spreads the sessions over the
-//!   instances and every cache model is warm.
-//! - Background load: `2 × instances` requests stay in flight (half of them past their first
-//!   token), so the policies score real, non-zero loads.
+//!   instances and every cache model is warm (checked: every prefix is fully cached).
 //! - A benchmarked call routes the next session (round robin) with `keys` keys: its warm
 //!   `keys - 1` block prefix plus one new block (a fresh key on every call, as a regenerated
 //!   or edited last turn), then the request is finished outside the timed region.
 //!
 //! Criterion runs millions of calls, so every call adds one fresh key: the cache models are
-//! bounded (`cache_capacity_blocks` = twice the warm keys per instance) and evict those stale
+//! bounded (`cache_capacity_blocks` = four times the warm keys of an even spread) and evict those stale
 //! last-turn keys in steady state, while the session prefixes stay resident.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
 
 use kvroute_core::cache::ClusterCache;
 use kvroute_core::keys::chain_ids;
@@ -74,27 +77,17 @@ pub struct WarmRouter {
     fresh: u64,
 }
 
-/// One request of the benchmarked stream.
-pub struct Request<'a> {
-    /// Request id (fresh every call).
-    pub id: Id,
-    /// Session id.
-    pub session: Id,
-    /// Block keys: the session's warm prefix plus one new block.
-    pub keys: &'a [u64],
-    /// Tokens: all blocks full except a 300-token last block.
-    pub input_length: u64,
-}
-
 impl WarmRouter {
     /// A router with `instances` instances and `policy`, warmed as the module docs say.
     pub fn new(instances: usize, keys: usize, policy: Policy) -> Self {
         assert!(keys >= 2, "a request needs a prefix and one new block");
         let sessions = sessions_for(instances);
         let shared = shared_blocks(keys);
-        let warm_per_instance = sessions.div_ceil(instances) * keys + 4 * keys;
+        // Room for twice the warm keys of an even spread, and then some: prefixes stay resident,
+        // stale last-turn keys get evicted in steady state.
+        let warm_per_instance = sessions.div_ceil(instances) * keys;
         let config = RouterConfig {
-            cache_capacity_blocks: Some(2 * warm_per_instance),
+            cache_capacity_blocks: Some(4 * warm_per_instance + 8 * keys),
             ..RouterConfig::default()
         };
         let mut router = Router::new(instances, policy, config).expect("valid config");
@@ -102,19 +95,8 @@ impl WarmRouter {
             .map(|s| session_chain(s, keys, shared))
             .collect();
         let mut next_id: i64 = 0;
-        let prefix = keys - 1;
-        for cut in [prefix.div_ceil(2), prefix] {
-            for (s, chain) in chains.iter().enumerate() {
-                let id = Id::Int(next_id);
-                next_id += 1;
-                let len = cut as u64 * BLOCK_SIZE;
-                router
-                    .route(id.clone(), &chain[..cut], len, Some(&Id::Int(s as i64)))
-                    .expect("warm-up route");
-                router.finish(&id);
-            }
-        }
-        // Background: 2 requests per instance stay in flight, half of them decoding.
+        // Background first, so the warm-up already sees non-zero loads (with all loads at
+        // zero, `lmetric` would put every session on instance 0).
         for b in 0..2 * instances {
             let chain = session_chain(1_000_000 + b, keys.div_ceil(2), 0);
             let id = Id::Int(next_id);
@@ -127,6 +109,30 @@ impl WarmRouter {
                 router.first_token(&id);
             }
         }
+        let prefix = keys - 1;
+        for cut in [prefix.div_ceil(2), prefix] {
+            for (s, chain) in chains.iter().enumerate() {
+                let id = Id::Int(next_id);
+                next_id += 1;
+                let len = cut as u64 * BLOCK_SIZE;
+                router
+                    .route(id.clone(), &chain[..cut], len, Some(&Id::Int(s as i64)))
+                    .expect("warm-up route");
+                router.finish(&id);
+            }
+        }
+        let full = prefix as u64 * BLOCK_SIZE;
+        let cold = chains
+            .iter()
+            .filter(|c| {
+                router
+                    .estimate_cache_hits(&c[..prefix], full)
+                    .into_iter()
+                    .max()
+                    != Some(full)
+            })
+            .count();
+        assert_eq!(cold, 0, "every session prefix must be cached after warm-up");
         Self {
             router,
             chains,
@@ -136,8 +142,10 @@ impl WarmRouter {
         }
     }
 
-    /// The next request: next session, its warm prefix plus a fresh last block.
-    pub fn next_request(&mut self) -> Request<'_> {
+    /// Route the next request (next session: its warm prefix plus a fresh last block, all
+    /// blocks full except a 300-token last one), finish it, and return the time `route`
+    /// alone took: building the request and `finish` are outside the clock.
+    pub fn route_next_timed(&mut self) -> Duration {
         let s = self.next_session;
         self.next_session = (s + 1) % self.chains.len();
         let id = Id::Int(self.next_id);
@@ -146,12 +154,16 @@ impl WarmRouter {
         let chain = &mut self.chains[s];
         let last = chain.len() - 1;
         chain[last] = mix((3 << 62) ^ self.fresh);
-        Request {
-            id,
-            session: Id::Int(s as i64),
-            keys: chain,
-            input_length: last as u64 * BLOCK_SIZE + 300,
-        }
+        let session = Id::Int(s as i64);
+        let input_length = last as u64 * BLOCK_SIZE + 300;
+        let start = Instant::now();
+        let decision =
+            self.router
+                .route(id.clone(), black_box(chain), input_length, Some(&session));
+        let elapsed = start.elapsed();
+        black_box(decision.expect("route"));
+        self.router.finish(&id);
+        elapsed
     }
 }
 

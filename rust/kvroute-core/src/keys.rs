@@ -128,6 +128,28 @@ pub fn chain_ids(ids: &[u64]) -> Vec<u64> {
         .collect()
 }
 
+/// [`chain_ids`] applied to every list of a list column given as flat `values` and
+/// `offsets` (Arrow layout: list `i` is `values[offsets[i]..offsets[i + 1]]`). Returns the
+/// chained values in the same layout, or the index of the first list whose offsets are bad.
+pub fn chain_ids_lists(values: &[u64], offsets: &[i64]) -> Result<Vec<u64>, usize> {
+    let mut out = vec![0u64; values.len()];
+    for (i, w) in offsets.windows(2).enumerate() {
+        let (start, end) = (
+            usize::try_from(w[0]).map_err(|_| i)?,
+            usize::try_from(w[1]).map_err(|_| i)?,
+        );
+        if start > end || end > values.len() {
+            return Err(i);
+        }
+        let mut prev = ROOT_SEED;
+        for (o, id) in out[start..end].iter_mut().zip(&values[start..end]) {
+            prev = xxh3_64_with_seed(&id.to_le_bytes(), prev);
+            *o = prev;
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +201,17 @@ mod tests {
 
     const PINNED_123: u64 = 17135722013804238675;
     const PINNED_CHAIN_01: [u64; 2] = [1555794855776636713, 9155262315945842484];
+
+    #[test]
+    fn lists_chain_like_single_calls() {
+        let values = [5, 6, 7, 5, 9];
+        let offsets = [0, 3, 3, 5];
+        let out = chain_ids_lists(&values, &offsets).unwrap();
+        assert_eq!(out[..3], chain_ids(&[5, 6, 7])[..]);
+        assert_eq!(out[3..], chain_ids(&[5, 9])[..]);
+        assert_eq!(chain_ids_lists(&values, &[0, 6]), Err(0));
+        assert_eq!(chain_ids_lists(&values, &[0, 2, 1]), Err(1));
+    }
 
     #[test]
     fn hit_tokens_clamps_to_input() {

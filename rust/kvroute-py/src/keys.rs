@@ -3,7 +3,7 @@
 
 use kvroute_core::keys::{self, TokenOutOfRange};
 use kvroute_core::Policy;
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use crate::convert::{self, Tokens};
@@ -51,6 +51,36 @@ pub fn block_hashes<'py>(
 pub fn chain_ids<'py>(ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let keys = convert::keys(ids, "ids")?;
     Ok(keys::chain_ids(keys.as_slice()).into_pyarray(ids.py()))
+}
+
+/// `chain_ids` over every list of a list column, given as Arrow-style flat `values`
+/// (uint64) and `offsets` (int64, one more than the lists); returns the chained values.
+#[pyfunction]
+pub fn chain_ids_lists<'py>(
+    values: PyReadonlyArray1<'py, u64>,
+    offsets: PyReadonlyArray1<'py, i64>,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let py = values.py();
+    let values_v = values.as_array();
+    let offsets_v = offsets.as_array();
+    let vals: std::borrow::Cow<'_, [u64]> = values_v.as_slice().map_or_else(
+        || values_v.iter().copied().collect::<Vec<_>>().into(),
+        Into::into,
+    );
+    let offs: std::borrow::Cow<'_, [i64]> = offsets_v.as_slice().map_or_else(
+        || offsets_v.iter().copied().collect::<Vec<_>>().into(),
+        Into::into,
+    );
+    let out = keys::chain_ids_lists(&vals, &offs).map_err(|i| {
+        invalid(
+            py,
+            format!(
+                "offsets[{i}..{}] do not describe a list inside values",
+                i + 1
+            ),
+        )
+    })?;
+    Ok(out.into_pyarray(py))
 }
 
 /// Names of every routing policy.

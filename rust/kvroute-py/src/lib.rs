@@ -14,6 +14,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyRouter>()?;
     m.add_function(wrap_pyfunction!(keys::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(keys::chain_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(keys::chain_ids_lists, m)?)?;
     m.add_function(wrap_pyfunction!(keys::policies, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
