@@ -19,22 +19,19 @@ Complexity: O(requests x (keys + instances)) routing plus O(requests log request
 from __future__ import annotations
 
 import heapq
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 
 from kvroute import Router, policies
-from kvroute.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from kvroute._core import RouteInfo
 
 SEED_POLICIES = ("lmetric", "load_only", "sticky", "unified", "leastwork")
-MIN_SESSION_PREFIX_BLOCKS = 3
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,7 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: list[int]
-    session_id: int
+    session_id: int | str
 
 
 @dataclass(frozen=True)
@@ -62,47 +59,12 @@ class PolicyResult:
     per_instance: list[int]
 
 
-def read_mooncake_jsonl(path: Path) -> list[Request]:
-    """Read a Mooncake-style JSONL trace (``timestamp`` in ms) and infer sessions.
-
-    A request joins the session of the earlier request whose keys minus its last block form
-    the longest prefix of this request's keys, when that prefix is at least
-    ``MIN_SESSION_PREFIX_BLOCKS`` blocks long (shorter ones are shared system prompts: every
-    Mooncake request starts with the same block); otherwise it starts a new session.
-    Errors name the file and line.
-    """
-    out: list[Request] = []
-    prefix_end: dict[tuple[int, int], int] = {}
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                fields = {k: row[k] for k in ("timestamp", "input_length", "output_length")}
-                keys = [int(k) for k in row["hash_ids"]]
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise InvalidArgumentError(f"{path}:{lineno}: bad trace line: {exc!r}") from exc
-            session = next(
-                (
-                    prefix_end[(j, keys[j])]
-                    for j in range(len(keys) - 1, MIN_SESSION_PREFIX_BLOCKS - 2, -1)
-                    if (j, keys[j]) in prefix_end
-                ),
-                len(out),
-            )
-            if len(keys) > MIN_SESSION_PREFIX_BLOCKS:
-                prefix_end[(len(keys) - 2, keys[-2])] = session
-            out.append(
-                Request(
-                    timestamp=float(fields["timestamp"]) / 1000.0,
-                    input_length=int(fields["input_length"]),
-                    output_length=int(fields["output_length"]),
-                    hash_ids=keys,
-                    session_id=session,
-                )
-            )
-    return out
+def requests_of(trace: pa.Table) -> list[Request]:
+    """The rows of a canonical trace table as :class:`Request` objects, in time order."""
+    cols = trace.select(
+        ["timestamp", "input_length", "output_length", "hash_ids", "session_id"]
+    ).to_pydict()
+    return [Request(*row) for row in zip(*cols.values(), strict=True)]
 
 
 def _events(

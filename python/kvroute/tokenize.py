@@ -52,7 +52,7 @@ class HuggingFaceTokenizer:
 
     def __init__(self, path: str | Path) -> None:
         try:
-            from tokenizers import Tokenizer as _HFTokenizer  # type: ignore[import-not-found]
+            from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise InvalidArgumentError(
                 "a tokenizer.json needs the `tokenizers` package: pip install tokenizers"

@@ -31,7 +31,7 @@ def list_policies() -> None:
     "trace_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="Mooncake-style JSONL trace (default: the bundled sample).",
+    help="Trace in any supported format (default: the bundled Mooncake sample).",
 )
 @click.option("--instances", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -46,14 +46,15 @@ def demo(
     trace_path: Path | None, instances: int, policy_names: tuple[str, ...], as_json: bool
 ) -> None:
     """Route a trace under every policy and print hit rate and balance per policy."""
-    from kvroute.demo import read_mooncake_jsonl, run_all
+    from kvroute.demo import requests_of, run_all
+    from kvroute.trace import read_trace
 
     path = trace_path or BUNDLED_TRACE
     if not path.exists():
         raise click.ClickException(f"trace not found: {path}; pass --trace")
     started = time.perf_counter()
     try:
-        requests = read_mooncake_jsonl(path)
+        requests = requests_of(read_trace(path, infer_sessions=True))
     except kvroute.KvrouteError as exc:
         raise click.ClickException(str(exc)) from exc
     results = run_all(requests, list(policy_names) or None, instances)
