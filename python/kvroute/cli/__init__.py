@@ -7,6 +7,7 @@ import click
 
 import kvroute
 from kvroute.cli.demo import demo, list_policies
+from kvroute.cli.trace import trace
 
 
 @click.group()
@@ -17,5 +18,6 @@ def main() -> None:
 
 main.add_command(list_policies)
 main.add_command(demo)
+main.add_command(trace)
 
 __all__ = ["main"]
