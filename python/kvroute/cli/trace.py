@@ -74,8 +74,8 @@ def _load(
             format=fmt,
             block_size=block_size,
             infer_sessions=infer_sessions,
-            on_error=on_error,
-            tokenizer=tokenizer,  # type: ignore[arg-type]
+            on_error="skip" if on_error == "skip" else "raise",
+            tokenizer=tokenizer,
         )
     except KvrouteError as exc:
         raise click.ClickException(str(exc)) from exc
