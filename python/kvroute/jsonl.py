@@ -106,8 +106,9 @@ def read_jsonl(
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
         table = None
     if table is not None:
-        bad = row_check(table) if row_check else None
-        if bad is None:
+        has_nulls = any(table.column(n).null_count for n in required if n in schema.names)
+        bad = None if row_check is None else row_check(table)
+        if bad is None and not has_nulls:
             report.rows = table.num_rows
             return table, report
     # Slow path: find the offending lines.
