@@ -299,9 +299,7 @@ class ReferenceRouter:
 
     # ---- §3: pickers --------------------------------------------------------------------
 
-    def _pick(
-        self, avail: list[int], keys: list[int], n: int, session: Any
-    ) -> tuple[int, str]:
+    def _pick(self, avail: list[int], keys: list[int], n: int, session: Any) -> tuple[int, str]:
         def nreq(i: int) -> int:
             return self.instances[i].num_requests
 

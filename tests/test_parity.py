@@ -12,14 +12,16 @@ minus a partial block, sometimes anything (0, or longer than the keys cover).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
-import kvroute
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+import kvroute
 from reference import POLICIES, ReferenceRouter
 
 U64 = st.integers(0, 2**64 - 1)
@@ -38,7 +40,7 @@ SETTINGS = settings(
 
 @st.composite
 def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
-    num_instances = draw(st.integers(1, 5), label="num_instances")
+    num_instances = draw(st.integers(1, 5))
     kw: dict[str, Any] = {
         "block_size": draw(st.sampled_from([4, 16, 512, 1])),
         "cache_capacity_blocks": draw(st.sampled_from([None, None, 1, 2, 3, 5, 8, 32])),
@@ -57,22 +59,59 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
     return num_instances, kw
 
 
-def draw_request(data: st.DataObject, bases: list[list[int]], bs: int) -> tuple[list[int], int]:
+TAILS = st.lists(st.one_of(st.integers(0, 20), U64), max_size=3)
+FORMS = st.sampled_from(["list", "list", "uint64", "int64", "strided"])
+OPS = st.sampled_from(
+    ["route"] * 6 + ["first_token"] * 2 + ["finish"] * 2 + ["avail", "add", "est"]
+)
+BASES = st.lists(st.lists(U64, min_size=1, max_size=10), min_size=1, max_size=3)
+
+
+@st.composite
+def request(draw: st.DrawFn, bases: list[list[int]], bs: int) -> tuple[list[int], int, str]:
     """Keys: a prefix of one base chain plus a short tail; length: about len(keys) * bs."""
-    base = data.draw(st.sampled_from(bases), label="base")
-    prefix = data.draw(st.integers(0, len(base)), label="prefix")
-    tail = data.draw(st.lists(st.one_of(st.integers(0, 20), U64), max_size=3), label="tail")
-    keys = base[:prefix] + tail
+    base = draw(st.sampled_from(bases))
+    keys = base[: draw(st.integers(0, len(base)))] + draw(TAILS)
     full = len(keys) * bs
-    partial_last_block = st.integers(max(0, full - bs + 1), full)
-    anything = st.integers(0, full + 2 * bs)
-    length = data.draw(st.one_of(partial_last_block, partial_last_block, anything), label="len")
-    return keys, length
+    if draw(st.integers(0, 2)):  # usually: the last block is partial (or full)
+        length = draw(st.integers(max(0, full - bs + 1), full))
+    else:  # sometimes anything: 0, fewer tokens than the keys cover, or more
+        length = draw(st.integers(0, full + 2 * bs))
+    return keys, length, draw(FORMS)
 
 
-def as_hash_ids(data: st.DataObject, keys: list[int]) -> Any:
+@st.composite
+def scenario(draw: st.DrawFn, policy: str) -> dict[str, Any]:
+    """A router configuration and a sequence of events, all drawn up front."""
+    n, kw = draw(router_config(policy))
+    bases = draw(BASES)
+    req = request(bases, kw["block_size"])
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(draw(st.integers(1, 40))):
+        op = draw(OPS)
+        if op == "route":
+            rid, sid = draw(REQUEST_IDS), draw(st.sampled_from(SESSIONS))
+            ops.append((op, rid, sid, *draw(req), draw(st.booleans())))
+        elif op in ("first_token", "finish"):
+            # ("live", i): the i-th (mod count) request in flight; ("id", x): any id at all.
+            target = draw(
+                st.one_of(
+                    st.tuples(st.just("live"), st.integers(0, 99)),
+                    st.tuples(st.just("id"), REQUEST_IDS),
+                )
+            )
+            ops.append((op, target))
+        elif op == "avail":
+            ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1)), draw(st.booleans())))
+        elif op == "add":
+            ops.append((op,))
+        else:
+            ops.append((op, *draw(req)))
+    return {"n": n, "kw": kw, "ops": ops, "end_seed": draw(st.integers(0, 2**32))}
+
+
+def hash_ids_in(form: str, keys: list[int]) -> Any:
     """The same keys in one of the accepted input forms."""
-    form = data.draw(st.sampled_from(["list", "list", "uint64", "int64", "strided"]))
     if form == "list":
         return list(keys)
     arr = np.array(keys, dtype=np.uint64)
@@ -111,74 +150,71 @@ def assert_same_state(rust: kvroute.Router, ref: ReferenceRouter) -> None:
             assert rust.session_affinity(s) == ref.session_affinity(s), f"session {s!r}"
 
 
+def run_step(rust: kvroute.Router, ref: ReferenceRouter, op: tuple[Any, ...]) -> None:
+    kind = op[0]
+    if kind == "route":
+        _, rid, sid, keys, length, form, info = op
+        hash_ids = hash_ids_in(form, keys)
+        if info:
+            got = call_both(
+                lambda: rust.route_info(rid, hash_ids, length, session_id=sid),
+                lambda: ref.route_info(rid, keys, length, session_id=sid),
+            )
+            if isinstance(got, dict):
+                event(f"branch={got['branch']}")
+                event(f"hit={'yes' if got['hit_tokens'] else 'no'}")
+        else:
+            got = call_both(
+                lambda: rust.route(rid, hash_ids, length, sid),
+                lambda: ref.route(rid, keys, length, sid),
+            )
+        if isinstance(got, Exception):
+            event(f"route raised {type(got).__name__}")
+    elif kind in ("first_token", "finish"):
+        how, x = op[1]
+        live = list(ref.requests)
+        rid = live[x % len(live)] if how == "live" and live else x
+        call_both(lambda: getattr(rust, kind)(rid), lambda: getattr(ref, kind)(rid))
+    elif kind == "avail":
+        inst, flag = op[1] % ref.num_instances, op[2]
+        call_both(lambda: rust.set_available(inst, flag), lambda: ref.set_available(inst, flag))
+    elif kind == "add":
+        if ref.num_instances < MAX_INSTANCES:
+            call_both(rust.add_instance, ref.add_instance)
+    else:
+        _, keys, length, form = op
+        hash_ids = hash_ids_in(form, keys)
+        call_both(
+            lambda: rust.estimate_cache_hits(hash_ids, length),
+            lambda: ref.estimate_cache_hits(keys, length),
+        )
+        for i in range(ref.num_instances):
+            assert rust.estimate_cache_hit(i, hash_ids, length) == ref.estimate_cache_hit(
+                i, keys, length
+            )
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @SETTINGS
 @given(data=st.data())
 def test_router_matches_reference(policy: str, data: st.DataObject) -> None:
-    n, kw = data.draw(router_config(policy), label="config")
-    bs = kw["block_size"]
-    bases = data.draw(
-        st.lists(st.lists(U64, min_size=1, max_size=10), min_size=1, max_size=3), label="bases"
-    )
-    rust = kvroute.Router(n, policy, **kw)
-    ref = ReferenceRouter(n, policy, **kw)
-    assert rust.policy == policy and rust.block_size == bs
-
-    steps = data.draw(st.integers(1, 40), label="steps")
-    for _ in range(steps):
-        op = data.draw(
-            st.sampled_from(
-                ["route"] * 6 + ["first_token"] * 2 + ["finish"] * 2 + ["avail", "add", "est"]
-            ),
-            label="op",
-        )
-        live = list(ref.requests)
-        if op == "route":
-            rid = data.draw(REQUEST_IDS, label="request_id")
-            sid = data.draw(st.sampled_from(SESSIONS), label="session_id")
-            keys, length = draw_request(data, bases, bs)
-            hash_ids = as_hash_ids(data, keys)
-            if data.draw(st.booleans(), label="route_info"):
-                call_both(
-                    lambda: rust.route_info(rid, hash_ids, length, session_id=sid),
-                    lambda: ref.route_info(rid, keys, length, session_id=sid),
-                )
-            else:
-                call_both(
-                    lambda: rust.route(rid, hash_ids, length, sid),
-                    lambda: ref.route(rid, keys, length, sid),
-                )
-        elif op in ("first_token", "finish"):
-            pool = st.sampled_from(live) if live else REQUEST_IDS
-            rid = data.draw(st.one_of(pool, REQUEST_IDS) if live else pool, label="rid")
-            call_both(lambda: getattr(rust, op)(rid), lambda: getattr(ref, op)(rid))
-        elif op == "avail":
-            inst = data.draw(st.integers(0, ref.num_instances - 1), label="instance")
-            flag = data.draw(st.booleans(), label="flag")
-            call_both(lambda: rust.set_available(inst, flag), lambda: ref.set_available(inst, flag))
-        elif op == "add":
-            if ref.num_instances < MAX_INSTANCES:
-                call_both(rust.add_instance, ref.add_instance)
-        else:
-            keys, length = draw_request(data, bases, bs)
-            hash_ids = as_hash_ids(data, keys)
-            call_both(
-                lambda: rust.estimate_cache_hits(hash_ids, length),
-                lambda: ref.estimate_cache_hits(keys, length),
-            )
-            for i in range(ref.num_instances):
-                call_both(
-                    lambda: rust.estimate_cache_hit(i, hash_ids, length),  # noqa: B023
-                    lambda: ref.estimate_cache_hit(i, keys, length),  # noqa: B023
-                )
+    sc = data.draw(scenario(policy), label="scenario")
+    rust = kvroute.Router(sc["n"], policy, **sc["kw"])
+    ref = ReferenceRouter(sc["n"], policy, **sc["kw"])
+    assert rust.policy == policy and rust.block_size == sc["kw"]["block_size"]
+    assert_same_state(rust, ref)
+    for op in sc["ops"]:
+        run_step(rust, ref, op)
         assert_same_state(rust, ref)
 
     # Finish everything (some after their first token): every counter back to exactly zero.
-    remaining = data.draw(st.permutations(list(ref.requests)), label="finish order")
+    rnd = random.Random(sc["end_seed"])
+    remaining = list(ref.requests)
+    rnd.shuffle(remaining)
     for rid in remaining:
-        if data.draw(st.booleans(), label="first token first"):
-            call_both(lambda: rust.first_token(rid), lambda: ref.first_token(rid))  # noqa: B023
-        assert call_both(lambda: rust.finish(rid), lambda: ref.finish(rid)) is True  # noqa: B023
+        if rnd.random() < 0.5:
+            assert rust.first_token(rid) == ref.first_token(rid)
+        assert rust.finish(rid) is True and ref.finish(rid) is True
         assert_same_state(rust, ref)
     assert rust.in_flight == 0
     for s in rust.state():
@@ -196,7 +232,9 @@ def test_router_matches_reference(policy: str, data: st.DataObject) -> None:
     rounds=st.integers(1, 60),
     bs=st.sampled_from([4, 512]),
 )
-def test_fresh_traffic_without_finishes(policy: str, n: int, seed: int, rounds: int, bs: int) -> None:
+def test_fresh_traffic_without_finishes(
+    policy: str, n: int, seed: int, rounds: int, bs: int
+) -> None:
     """A burst of distinct one-block requests, none finished: exercises ties and the counters."""
     rust = kvroute.Router(n, policy, block_size=bs, seed=seed)
     ref = ReferenceRouter(n, policy, block_size=bs, seed=seed)
@@ -205,3 +243,28 @@ def test_fresh_traffic_without_finishes(policy: str, n: int, seed: int, rounds: 
         sid = r % 3 if r % 2 else None
         assert rust.route_info(r, keys, bs - 1, sid) == ref.route_info(r, keys, bs - 1, sid)
         assert rust.state() == ref.state()
+
+
+def test_reference_has_the_router_api() -> None:
+    public = {name for name in dir(kvroute.Router) if not name.startswith("_")}
+    assert public == {
+        "route",
+        "route_info",
+        "first_token",
+        "finish",
+        "estimate_cache_hit",
+        "estimate_cache_hits",
+        "state",
+        "set_available",
+        "add_instance",
+        "session_affinity",
+        "cached_keys",
+        "policy",
+        "num_instances",
+        "block_size",
+        "in_flight",
+    }
+    ref = ReferenceRouter(2, "lmetric", block_size=16)
+    for name in public:
+        assert hasattr(ref, name), name
+    assert sorted(POLICIES) == sorted(kvroute.policies())

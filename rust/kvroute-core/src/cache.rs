@@ -68,11 +68,7 @@ pub struct ClusterCache {
 impl ClusterCache {
     /// `instances` empty caches of `capacity` keys each (`None`: unbounded).
     pub fn new(instances: usize, capacity: Option<usize>) -> Self {
-        Self {
-            index: FxHashMap::default(),
-            lrus: vec![Lru::default(); instances],
-            capacity,
-        }
+        Self { index: FxHashMap::default(), lrus: vec![Lru::default(); instances], capacity }
     }
 
     /// Add one empty instance cache; returns its index.
@@ -89,9 +85,7 @@ impl ClusterCache {
     /// Leading keys of `keys` resident on `inst`. Read only. O(matched × holders).
     pub fn matched_blocks(&self, inst: usize, keys: &[u64]) -> usize {
         let inst = inst as u32;
-        keys.iter()
-            .take_while(|k| self.index.get(k).is_some_and(|h| h.slot_of(inst).is_some()))
-            .count()
+        keys.iter().take_while(|k| self.index.get(k).is_some_and(|h| h.slot_of(inst).is_some())).count()
     }
 
     /// Leading keys of `keys` resident on every instance, written into `out` (resized to the

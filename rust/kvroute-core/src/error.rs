@@ -31,16 +31,10 @@ impl fmt::Display for Error {
             ),
             Error::InvalidArgument(msg) => f.write_str(msg),
             Error::UnknownInstance { index, count } => {
-                write!(
-                    f,
-                    "unknown instance {index}: the router has instances 0..{count}"
-                )
+                write!(f, "unknown instance {index}: the router has instances 0..{count}")
             }
             Error::DuplicateRequest(id) => {
-                write!(
-                    f,
-                    "request {id} is already in flight; finish it before routing it again"
-                )
+                write!(f, "request {id} is already in flight; finish it before routing it again")
             }
             Error::NoInstanceAvailable => f.write_str("no instance is available to route to"),
         }

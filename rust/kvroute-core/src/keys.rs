@@ -18,43 +18,31 @@ pub struct TokenOutOfRange {
     /// Position of the offending token in the input.
     pub position: usize,
     /// Its value.
-    pub value: i64,
+    pub value: i128,
 }
 
 /// Token ids that can be hashed: converted to `u32` with a range check.
 pub trait TokenId: Copy {
     /// The id as `u32`, or `None` when it is negative or too large.
     fn to_u32(self) -> Option<u32>;
-    /// The id as `i64`, for error messages.
-    fn to_i64(self) -> i64;
+    /// The id as `i128`, for error messages.
+    fn to_i128(self) -> i128;
 }
 
-impl TokenId for u32 {
-    fn to_u32(self) -> Option<u32> {
-        Some(self)
-    }
-    fn to_i64(self) -> i64 {
-        i64::from(self)
-    }
+macro_rules! token_id {
+    ($($t:ty),*) => {$(
+        impl TokenId for $t {
+            fn to_u32(self) -> Option<u32> {
+                u32::try_from(self).ok()
+            }
+            fn to_i128(self) -> i128 {
+                i128::from(self)
+            }
+        }
+    )*};
 }
 
-impl TokenId for i32 {
-    fn to_u32(self) -> Option<u32> {
-        u32::try_from(self).ok()
-    }
-    fn to_i64(self) -> i64 {
-        i64::from(self)
-    }
-}
-
-impl TokenId for i64 {
-    fn to_u32(self) -> Option<u32> {
-        u32::try_from(self).ok()
-    }
-    fn to_i64(self) -> i64 {
-        self
-    }
-}
+token_id!(u32, i32, i64, u64, i128);
 
 /// Number of blocks covering `tokens` tokens: `ceil(tokens / block_size)`.
 pub fn num_blocks(tokens: usize, block_size: usize) -> usize {
@@ -70,10 +58,7 @@ pub fn hit_tokens(matched: u64, block_size: u64, input_length: u64) -> u64 {
 ///
 /// # Panics
 /// When `block_size` is zero (callers validate it first).
-pub fn block_hashes<T: TokenId>(
-    tokens: &[T],
-    block_size: usize,
-) -> Result<Vec<u64>, TokenOutOfRange> {
+pub fn block_hashes<T: TokenId>(tokens: &[T], block_size: usize) -> Result<Vec<u64>, TokenOutOfRange> {
     assert!(block_size > 0, "block_size must be positive");
     let mut keys = Vec::with_capacity(num_blocks(tokens.len(), block_size));
     let mut buf: Vec<u8> = Vec::with_capacity(block_size * 4);
@@ -81,10 +66,7 @@ pub fn block_hashes<T: TokenId>(
     for (b, block) in tokens.chunks(block_size).enumerate() {
         buf.clear();
         for (j, &t) in block.iter().enumerate() {
-            let v = t.to_u32().ok_or(TokenOutOfRange {
-                position: b * block_size + j,
-                value: t.to_i64(),
-            })?;
+            let v = t.to_u32().ok_or(TokenOutOfRange { position: b * block_size + j, value: t.to_i128() })?;
             buf.extend_from_slice(&v.to_le_bytes());
         }
         prev = xxh3_64_with_seed(&buf, prev);
@@ -106,10 +88,7 @@ pub fn block_hashes_u32(tokens: &[u32], block_size: usize) -> Vec<u64> {
             // SAFETY: a `u32` slice is valid as bytes of four times its length; on a
             // little-endian target those bytes are exactly the little-endian encoding.
             let bytes = unsafe {
-                std::slice::from_raw_parts(
-                    block.as_ptr().cast::<u8>(),
-                    std::mem::size_of_val(block),
-                )
+                std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block))
             };
             prev = xxh3_64_with_seed(bytes, prev);
             prev
@@ -134,10 +113,7 @@ pub fn chain_ids(ids: &[u64]) -> Vec<u64> {
 pub fn chain_ids_lists(values: &[u64], offsets: &[i64]) -> Result<Vec<u64>, usize> {
     let mut out = vec![0u64; values.len()];
     for (i, w) in offsets.windows(2).enumerate() {
-        let (start, end) = (
-            usize::try_from(w[0]).map_err(|_| i)?,
-            usize::try_from(w[1]).map_err(|_| i)?,
-        );
+        let (start, end) = (usize::try_from(w[0]).map_err(|_| i)?, usize::try_from(w[1]).map_err(|_| i)?);
         if start > end || end > values.len() {
             return Err(i);
         }
@@ -182,13 +158,7 @@ mod tests {
         assert_eq!(block_hashes(&i, 2).unwrap(), block_hashes_u32(&u, 2));
         assert_eq!(block_hashes(&s, 2).unwrap(), block_hashes_u32(&u, 2));
         let err = block_hashes(&[1i64, -3], 2).unwrap_err();
-        assert_eq!(
-            err,
-            TokenOutOfRange {
-                position: 1,
-                value: -3
-            }
-        );
+        assert_eq!(err, TokenOutOfRange { position: 1, value: -3 });
         assert!(block_hashes(&[1i64 << 33], 2).is_err());
     }
 

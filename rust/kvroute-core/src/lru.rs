@@ -24,13 +24,7 @@ pub struct Lru {
 
 impl Default for Lru {
     fn default() -> Self {
-        Self {
-            nodes: Vec::new(),
-            free: Vec::new(),
-            head: NIL,
-            tail: NIL,
-            len: 0,
-        }
+        Self { nodes: Vec::new(), free: Vec::new(), head: NIL, tail: NIL, len: 0 }
     }
 }
 
@@ -47,11 +41,7 @@ impl Lru {
 
     /// Insert `key` at the head; returns its slot.
     pub fn push_front(&mut self, key: u64) -> u32 {
-        let node = Node {
-            key,
-            prev: NIL,
-            next: self.head,
-        };
+        let node = Node { key, prev: NIL, next: self.head };
         let slot = match self.free.pop() {
             Some(s) => {
                 self.nodes[s as usize] = node;

@@ -83,11 +83,7 @@ pub(crate) struct PickState {
 
 impl PickInput<'_> {
     fn new_prefill(&self, i: usize) -> u64 {
-        let hit = hit_tokens(
-            u64::from(self.matched[i]),
-            self.block_size,
-            self.input_length,
-        );
+        let hit = hit_tokens(u64::from(self.matched[i]), self.block_size, self.input_length);
         self.input_length - hit
     }
 
@@ -123,11 +119,14 @@ impl PickInput<'_> {
         Some((winner, Branch::TieBreak))
     }
 
+    /// `pending_prefill_tokens + new_prefill`, exact.
+    fn prefill_work(&self, i: usize) -> u128 {
+        u128::from(self.loads[i].pending_prefill_tokens) + u128::from(self.new_prefill(i))
+    }
+
     fn lmetric_key(&self, i: usize) -> (u128, u64, u64) {
         let l = &self.loads[i];
-        let np = self.new_prefill(i);
-        let score = u128::from(l.pending_prefill_tokens + np) * u128::from(l.num_requests);
-        (score, np, l.num_requests)
+        (self.prefill_work(i) * u128::from(l.num_requests), self.new_prefill(i), l.num_requests)
     }
 }
 
@@ -140,9 +139,7 @@ pub(crate) fn pick(
 ) -> Option<(usize, Branch)> {
     let nreq = |i: usize| input.loads[i].num_requests;
     match policy {
-        Policy::Lmetric => input
-            .argmin(|i| input.lmetric_key(i).0)
-            .map(|i| (i, Branch::Score)),
+        Policy::Lmetric => input.argmin(|i| input.lmetric_key(i).0).map(|i| (i, Branch::Score)),
         Policy::LoadOnly => input.argmin(nreq).map(|i| (i, Branch::Score)),
         Policy::Sticky => match input.affinity {
             Some(a) => Some((a, Branch::Affinity)),
@@ -156,10 +153,9 @@ pub(crate) fn pick(
             }
             input.argmin_round_robin(state, |i| input.lmetric_key(i))
         }
-        Policy::LeastWork => input.argmin_round_robin(state, |i| {
-            let np = input.new_prefill(i);
-            (input.loads[i].pending_prefill_tokens + np, np, nreq(i))
-        }),
+        Policy::LeastWork => {
+            input.argmin_round_robin(state, |i| (input.prefill_work(i), input.new_prefill(i), nreq(i)))
+        }
         Policy::RoundRobin => {
             let avail: Vec<usize> = input.available().collect();
             let chosen = *avail.get((state.rr % avail.len().max(1) as u64) as usize)?;
@@ -178,9 +174,8 @@ pub(crate) fn pick(
 
 /// `unified`'s affinity gate: warm enough and not overloaded.
 fn unified_gate(p: &PolicyParams, input: &PickInput<'_>, a: usize) -> bool {
-    let (sum, count) = input.available().fold((0u64, 0u64), |(s, c), i| {
-        (s + input.loads[i].num_requests, c + 1)
-    });
+    let (sum, count) =
+        input.available().fold((0u64, 0u64), |(s, c), i| (s + input.loads[i].num_requests, c + 1));
     let avg = (sum as f64 / count.max(1) as f64).max(1.0);
     let hit = input.input_length - input.new_prefill(a);
     let ratio = hit as f64 / input.input_length.max(1) as f64;
@@ -199,11 +194,7 @@ fn power_of_two(input: &PickInput<'_>, state: &mut PickState) -> Option<(usize, 
                 second += 1;
             }
             let (a, b) = (avail[first], avail[second]);
-            let chosen = if input.loads[a].num_requests <= input.loads[b].num_requests {
-                a
-            } else {
-                b
-            };
+            let chosen = if input.loads[a].num_requests <= input.loads[b].num_requests { a } else { b };
             Some((chosen, Branch::Sampled))
         }
     }
@@ -218,31 +209,21 @@ fn sglang_cache_aware(p: &PolicyParams, input: &PickInput<'_>) -> Option<(usize,
     }
     let best = input.argmin(|i| std::cmp::Reverse(input.matched[i]))?;
     let hit = input.input_length - input.new_prefill(best);
-    let rate = if input.input_length == 0 {
-        0.0
-    } else {
-        hit as f64 / input.input_length as f64
-    };
+    let rate = if input.input_length == 0 { 0.0 } else { hit as f64 / input.input_length as f64 };
     if rate > p.cache_threshold {
         Some((best, Branch::CacheMatch))
     } else {
-        input
-            .argmin(|i| (input.cached_blocks)(i))
-            .map(|i| (i, Branch::SmallestCache))
+        input.argmin(|i| (input.cached_blocks)(i)).map(|i| (i, Branch::SmallestCache))
     }
 }
 
-fn dynamo_cost(
-    p: &PolicyParams,
-    input: &PickInput<'_>,
-    state: &mut PickState,
-) -> Option<(usize, Branch)> {
+fn dynamo_cost(p: &PolicyParams, input: &PickInput<'_>, state: &mut PickState) -> Option<(usize, Branch)> {
     let bs = input.block_size as f64;
     let costs: Vec<(usize, f64)> = input
         .available()
         .map(|i| {
             let prefill_blocks = input.new_prefill(i) as f64 / bs;
-            let decode_blocks = (input.loads[i].ongoing_tokens + input.input_length) as f64 / bs;
+            let decode_blocks = input.loads[i].ongoing_tokens.saturating_add(input.input_length) as f64 / bs;
             (i, p.overlap_weight * prefill_blocks + decode_blocks)
         })
         .collect();
@@ -258,18 +239,11 @@ fn dynamo_cost(
         }
         return Some((
             tied[state.rng.below(tied.len())],
-            if p.temperature == 0.0 {
-                Branch::TieBreak
-            } else {
-                Branch::Sampled
-            },
+            if p.temperature == 0.0 { Branch::TieBreak } else { Branch::Sampled },
         ));
     }
     // Softmax over negated, range-normalised costs, as Dynamo's selector.
-    let scaled: Vec<f64> = costs
-        .iter()
-        .map(|c| -(c.1 / (max - min)) / p.temperature)
-        .collect();
+    let scaled: Vec<f64> = costs.iter().map(|c| -(c.1 / (max - min)) / p.temperature).collect();
     let top = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let weights: Vec<f64> = scaled.iter().map(|s| (s - top).exp()).collect();
     let total: f64 = weights.iter().sum();

@@ -64,10 +64,7 @@ impl Policy {
 
     /// Parse a public name.
     pub fn from_name(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == name)
-            .ok_or_else(|| Error::UnknownPolicy(name.to_owned()))
+        Self::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| Error::UnknownPolicy(name.to_owned()))
     }
 
     /// Whether the picker needs every instance's cache hit (one index walk per request).
@@ -155,19 +152,9 @@ mod tests {
     #[test]
     fn params_are_validated() {
         assert!(PolicyParams::default().validate().is_ok());
-        let bad = PolicyParams {
-            temperature: -1.0,
-            ..PolicyParams::default()
-        };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("temperature"));
-        let nan = PolicyParams {
-            overload_factor: f64::NAN,
-            ..PolicyParams::default()
-        };
+        let bad = PolicyParams { temperature: -1.0, ..PolicyParams::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("temperature"));
+        let nan = PolicyParams { overload_factor: f64::NAN, ..PolicyParams::default() };
         assert!(nan.validate().is_err());
     }
 }

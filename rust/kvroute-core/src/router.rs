@@ -15,6 +15,10 @@ use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
 use crate::policy::{Policy, PolicyParams};
 use crate::rng::SplitMix64;
 
+/// Largest accepted `input_length` (2^40 tokens): far above any real prompt, and small enough
+/// that the per-instance sums cannot overflow with fewer than 2^23 requests in flight.
+pub const MAX_INPUT_LENGTH: u64 = 1 << 40;
+
 /// A request or session id: an integer or a string, never equal to each other.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Id {
@@ -48,12 +52,7 @@ pub struct RouterConfig {
 
 impl Default for RouterConfig {
     fn default() -> Self {
-        Self {
-            block_size: 512,
-            cache_capacity_blocks: None,
-            seed: 0,
-            params: PolicyParams::default(),
-        }
+        Self { block_size: 512, cache_capacity_blocks: None, seed: 0, params: PolicyParams::default() }
     }
 }
 
@@ -104,9 +103,7 @@ impl Router {
     /// A router over `num_instances` available instances with empty caches.
     pub fn new(num_instances: usize, policy: Policy, config: RouterConfig) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(Error::InvalidArgument(
-                "block_size must be positive, got 0".into(),
-            ));
+            return Err(Error::InvalidArgument("block_size must be positive, got 0".into()));
         }
         if config.cache_capacity_blocks == Some(0) {
             return Err(Error::InvalidArgument(
@@ -116,20 +113,11 @@ impl Router {
         config.params.validate()?;
         Ok(Self {
             policy,
-            loads: vec![
-                InstanceLoad {
-                    available: true,
-                    ..InstanceLoad::default()
-                };
-                num_instances
-            ],
+            loads: vec![InstanceLoad { available: true, ..InstanceLoad::default() }; num_instances],
             cache: ClusterCache::new(num_instances, config.cache_capacity_blocks),
             requests: FxHashMap::default(),
             affinity: FxHashMap::default(),
-            state: PickState {
-                rr: 0,
-                rng: SplitMix64::new(config.seed),
-            },
+            state: PickState { rr: 0, rng: SplitMix64::new(config.seed) },
             scratch: Vec::new(),
             config,
         })
@@ -166,9 +154,13 @@ impl Router {
         if self.requests.contains_key(&request) {
             return Err(Error::DuplicateRequest(request.to_string()));
         }
-        let affinity = session
-            .and_then(|s| self.affinity.get(s).copied())
-            .filter(|&a| self.loads[a].available);
+        if input_length > MAX_INPUT_LENGTH {
+            return Err(Error::InvalidArgument(format!(
+                "input_length must be at most 2**40 tokens, got {input_length}"
+            )));
+        }
+        let affinity =
+            session.and_then(|s| self.affinity.get(s).copied()).filter(|&a| self.loads[a].available);
         if self.policy.scores_cache() {
             self.cache.matched_blocks_all(keys, &mut self.scratch);
         } else {
@@ -183,6 +175,7 @@ impl Router {
             block_size: self.config.block_size,
             affinity,
         };
+        let saved = self.state.clone();
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
             .ok_or(Error::NoInstanceAvailable)?;
         let matched = match self.scratch.get(instance) {
@@ -192,28 +185,25 @@ impl Router {
         let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
         let new_prefill = input_length - hit;
         let load = &mut self.loads[instance];
+        let (Some(ongoing), Some(pending)) = (
+            load.ongoing_tokens.checked_add(input_length),
+            load.pending_prefill_tokens.checked_add(new_prefill),
+        ) else {
+            self.state = saved;
+            return Err(Error::InvalidArgument(format!(
+                "input_length {input_length} would overflow instance {instance}'s token counters"
+            )));
+        };
         load.num_requests += 1;
-        load.ongoing_tokens += input_length;
-        load.pending_prefill_tokens += new_prefill;
+        load.ongoing_tokens = ongoing;
+        load.pending_prefill_tokens = pending;
         self.cache.touch_request(instance, keys);
         if let (Some(s), true) = (session, self.uses_affinity()) {
             self.affinity.insert(s.clone(), instance);
         }
-        self.requests.insert(
-            request,
-            InFlight {
-                instance,
-                input_length,
-                new_prefill,
-                first_token_seen: false,
-            },
-        );
-        Ok(Decision {
-            instance,
-            hit_tokens: hit,
-            new_prefill,
-            branch,
-        })
+        self.requests
+            .insert(request, InFlight { instance, input_length, new_prefill, first_token_seen: false });
+        Ok(Decision { instance, hit_tokens: hit, new_prefill, branch })
     }
 
     /// The first token came back (§2 step 2). Returns whether anything changed.
@@ -248,12 +238,7 @@ impl Router {
     }
 
     /// Estimated cached tokens of a request on one instance; reads only.
-    pub fn estimate_cache_hit(
-        &self,
-        instance: usize,
-        keys: &[u64],
-        input_length: u64,
-    ) -> Result<u64> {
+    pub fn estimate_cache_hit(&self, instance: usize, keys: &[u64], input_length: u64) -> Result<u64> {
         self.check_instance(instance as i64)?;
         let matched = self.cache.matched_blocks(instance, keys) as u64;
         Ok(hit_tokens(matched, self.config.block_size, input_length))
@@ -263,10 +248,7 @@ impl Router {
     pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
         let mut matched = Vec::new();
         self.cache.matched_blocks_all(keys, &mut matched);
-        matched
-            .iter()
-            .map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length))
-            .collect()
+        matched.iter().map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length)).collect()
     }
 
     /// A snapshot of every instance.
@@ -274,10 +256,7 @@ impl Router {
         self.loads
             .iter()
             .enumerate()
-            .map(|(i, l)| InstanceState {
-                load: l.clone(),
-                cached_blocks: self.cache.cached_blocks(i),
-            })
+            .map(|(i, l)| InstanceState { load: l.clone(), cached_blocks: self.cache.cached_blocks(i) })
             .collect()
     }
 
@@ -291,10 +270,7 @@ impl Router {
 
     /// Add an available instance with an empty cache; returns its index.
     pub fn add_instance(&mut self) -> usize {
-        self.loads.push(InstanceLoad {
-            available: true,
-            ..InstanceLoad::default()
-        });
+        self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
         self.cache.add_instance()
     }
 
@@ -316,9 +292,6 @@ impl Router {
         usize::try_from(instance)
             .ok()
             .filter(|&i| i < self.loads.len())
-            .ok_or(Error::UnknownInstance {
-                index: instance,
-                count: self.loads.len(),
-            })
+            .ok_or(Error::UnknownInstance { index: instance, count: self.loads.len() })
     }
 }

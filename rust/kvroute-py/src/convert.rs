@@ -1,13 +1,14 @@
-//! Python values to core values: ids, counts, key arrays and token arrays.
+//! Python values to core values: ids, integers, flags, key arrays and token arrays.
 //!
 //! Numpy arrays of the right dtype are read in place (zero-copy when contiguous); lists and
-//! tuples are read item by item. Every failure names the argument, and the item when it is
-//! one item of a sequence. O(len) at most; no state.
+//! tuples are read item by item. Python ints and numpy integer scalars are both integers;
+//! bools and floats are not. Every failure names the argument, and the item when it is one
+//! item of a sequence. O(len) at most; no state.
 
 use kvroute_core::Id;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyString};
+use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
 
 use crate::errors::{invalid, wrong_type};
 
@@ -17,18 +18,11 @@ pub fn id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Id> {
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(Id::Str(s.to_str()?.to_owned()));
     }
-    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
-        return obj.extract::<i64>().map(Id::Int).map_err(|_| {
-            invalid(
-                py,
-                format!("{name} must fit in a signed 64-bit integer, got {obj}"),
-            )
-        });
+    match integer(obj, name) {
+        Ok(Some(v)) => Ok(Id::Int(v)),
+        Ok(None) => Err(invalid(py, format!("{name} must fit in a signed 64-bit integer, got {obj}"))),
+        Err(_) => Err(wrong_type(py, format!("{name} must be an int or a str, got {}", type_name(obj)))),
     }
-    Err(wrong_type(
-        py,
-        format!("{name} must be an int or a str, got {}", type_name(obj)),
-    ))
 }
 
 /// An optional id; `None` stays `None`.
@@ -39,22 +33,40 @@ pub fn optional_id(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Optio
     }
 }
 
+/// An integer argument as `i64`; `Ok(None)` for an integer outside the `i64` range.
+pub fn integer(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<i64>> {
+    if !is_integer(obj) {
+        return Err(wrong_type(obj.py(), format!("{name} must be an int, got {}", type_name(obj))));
+    }
+    Ok(obj.extract::<i64>().ok())
+}
+
 /// A non-negative integer argument.
 pub fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    let py = obj.py();
-    if !obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyBool>() {
-        return Err(wrong_type(
-            py,
-            format!("{name} must be an int, got {}", type_name(obj)),
-        ));
+    match integer(obj, name)? {
+        Some(v) if v >= 0 => Ok(v as u64),
+        _ => Err(invalid(obj.py(), format!("{name} must be a non-negative 64-bit integer, got {obj}"))),
     }
-    match obj.extract::<i64>() {
-        Ok(v) if v >= 0 => Ok(v as u64),
-        _ => Err(invalid(
-            py,
-            format!("{name} must be a non-negative 64-bit integer, got {obj}"),
-        )),
+}
+
+/// A bool argument (Python or numpy bool).
+pub fn flag(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(b.is_true());
     }
+    if obj.get_type().name().is_ok_and(|n| n == "bool") {
+        return obj.is_truthy();
+    }
+    Err(wrong_type(obj.py(), format!("{name} must be a bool, got {}", type_name(obj))))
+}
+
+/// A Python int or a numpy integer scalar, but not a bool or a float.
+fn is_integer(obj: &Bound<'_, PyAny>) -> bool {
+    if obj.is_instance_of::<PyBool>() || obj.is_instance_of::<PyFloat>() {
+        return false;
+    }
+    obj.is_instance_of::<PyInt>()
+        || (obj.hasattr("dtype").unwrap_or(false) && obj.hasattr("__index__").unwrap_or(false))
 }
 
 /// Block keys, borrowed from a contiguous uint64 array or collected from anything else.
@@ -72,17 +84,44 @@ impl Keys<'_> {
     }
 }
 
+fn one_dimensional(arr: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<()> {
+    if arr.ndim() == 1 {
+        return Ok(());
+    }
+    Err(wrong_type(arr.py(), format!("{name} must be a 1-D array, got {} dimensions", arr.ndim())))
+}
+
+/// Items of a list/tuple/iterable, each converted by `item`; errors name the position.
+fn collect_items<T>(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    item: impl Fn(&Bound<'_, PyAny>) -> Option<T>,
+    expected: &str,
+) -> PyResult<Vec<T>> {
+    let py = obj.py();
+    let not_a_sequence = || {
+        wrong_type(py, format!("{name} must be a sequence of ints or a numpy array, got {}", type_name(obj)))
+    };
+    if obj.is_instance_of::<PyString>() || obj.hasattr("decode")? {
+        return Err(not_a_sequence());
+    }
+    let iter = obj.try_iter().map_err(|_| not_a_sequence())?;
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for (pos, value) in iter.enumerate() {
+        let value = value?;
+        let converted = item(&value).ok_or_else(|| {
+            wrong_type(py, format!("{name}[{pos}] must be {expected}, got {}", describe(&value)))
+        })?;
+        out.push(converted);
+    }
+    Ok(out)
+}
+
 /// `hash_ids`: a list/tuple of ints or a 1-D numpy uint64/int64 array.
 /// int64 values (and negative ints) are taken as their 64-bit two's complement pattern.
 pub fn keys<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Keys<'py>> {
-    let py = obj.py();
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Err(wrong_type(
-                py,
-                format!("{name} must be a 1-D array, got {} dimensions", arr.ndim()),
-            ));
-        }
+        one_dimensional(arr, name)?;
         if let Ok(a) = obj.cast::<PyArray1<u64>>() {
             let ro = a.readonly();
             return Ok(if ro.as_slice().is_ok() {
@@ -92,83 +131,34 @@ pub fn keys<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Keys<'py>> {
             });
         }
         if let Ok(a) = obj.cast::<PyArray1<i64>>() {
-            return Ok(Keys::Owned(
-                a.readonly().as_array().iter().map(|&v| v as u64).collect(),
-            ));
+            return Ok(Keys::Owned(a.readonly().as_array().iter().map(|&v| v as u64).collect()));
         }
         return Err(wrong_type(
-            py,
-            format!(
-                "{name} must have dtype uint64 or int64, got {}",
-                arr.dtype()
-            ),
+            obj.py(),
+            format!("{name} must have dtype uint64 or int64, got {}", arr.dtype()),
         ));
     }
-    if obj.is_instance_of::<PyString>() || obj.hasattr("decode")? {
-        return Err(wrong_type(
-            py,
-            format!("{name} must be a sequence of ints, got {}", type_name(obj)),
-        ));
-    }
-    let iter = obj.try_iter().map_err(|_| {
-        wrong_type(
-            py,
-            format!(
-                "{name} must be a sequence of ints or a numpy array, got {}",
-                type_name(obj)
-            ),
-        )
-    })?;
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for (pos, item) in iter.enumerate() {
-        let item = item?;
-        out.push(key_item(&item).ok_or_else(|| {
-            wrong_type(
-                py,
-                format!(
-                    "{name}[{pos}] must be an int in the 64-bit range, got {}",
-                    describe(&item)
-                ),
-            )
-        })?);
-    }
-    Ok(Keys::Owned(out))
+    let key_item = |item: &Bound<'_, PyAny>| {
+        is_integer(item)
+            .then(|| item.extract::<u64>().ok().or_else(|| item.extract::<i64>().ok().map(|v| v as u64)))
+            .flatten()
+    };
+    collect_items(obj, name, key_item, "an int in the 64-bit range").map(Keys::Owned)
 }
 
-fn key_item(item: &Bound<'_, PyAny>) -> Option<u64> {
-    if !item.is_instance_of::<PyInt>() || item.is_instance_of::<PyBool>() {
-        return item
-            .extract::<u64>()
-            .ok()
-            .filter(|_| is_numpy_integer(item));
-    }
-    item.extract::<u64>()
-        .ok()
-        .or_else(|| item.extract::<i64>().ok().map(|v| v as u64))
-}
-
-fn is_numpy_integer(item: &Bound<'_, PyAny>) -> bool {
-    item.hasattr("dtype").unwrap_or(false) && item.hasattr("__index__").unwrap_or(false)
-}
-
-/// Token ids: numpy int32/uint32/int64 read in place, anything else collected as int64.
+/// Token ids: numpy int32/uint32/int64 read in place, anything else collected exactly.
 pub enum Tokens<'py> {
     U32(PyReadonlyArray1<'py, u32>),
     I32(PyReadonlyArray1<'py, i32>),
     I64(PyReadonlyArray1<'py, i64>),
-    Owned(Vec<i64>),
+    U64(PyReadonlyArray1<'py, u64>),
+    Owned(Vec<i128>),
 }
 
 /// `token_ids` for `block_hashes`.
 pub fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Tokens<'py>> {
-    let py = obj.py();
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Err(wrong_type(
-                py,
-                format!("{name} must be a 1-D array, got {} dimensions", arr.ndim()),
-            ));
-        }
+        one_dimensional(arr, name)?;
         if let Ok(a) = obj.cast::<PyArray1<u32>>() {
             return Ok(Tokens::U32(a.readonly()));
         }
@@ -179,36 +169,28 @@ pub fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Tokens<'py>>
             return Ok(Tokens::I64(a.readonly()));
         }
         if let Ok(a) = obj.cast::<PyArray1<u64>>() {
-            return Ok(Tokens::Owned(
-                a.readonly().as_array().iter().map(|&v| v as i64).collect(),
-            ));
+            return Ok(Tokens::U64(a.readonly()));
         }
         return Err(wrong_type(
-            py,
-            format!(
-                "{name} must have dtype int32, uint32, int64 or uint64, got {}",
-                arr.dtype()
-            ),
+            obj.py(),
+            format!("{name} must have dtype int32, uint32, int64 or uint64, got {}", arr.dtype()),
         ));
     }
-    let keys = keys(obj, name)?;
-    Ok(Tokens::Owned(
-        keys.as_slice().iter().map(|&v| v as i64).collect(),
-    ))
+    let token_item = |item: &Bound<'_, PyAny>| {
+        is_integer(item)
+            .then(|| {
+                item.extract::<i64>().map(i128::from).or_else(|_| item.extract::<u64>().map(i128::from)).ok()
+            })
+            .flatten()
+    };
+    collect_items(obj, name, token_item, "an int").map(Tokens::Owned)
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
 
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     let repr = obj.repr().map(|r| r.to_string()).unwrap_or_default();
-    format!(
-        "{} {}",
-        type_name(obj),
-        repr.chars().take(40).collect::<String>()
-    )
+    format!("{} {}", type_name(obj), repr.chars().take(40).collect::<String>())
 }

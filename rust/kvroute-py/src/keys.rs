@@ -1,7 +1,7 @@
 //! Module functions: `block_hashes`, `chain_ids`, `policies`. Stateless, thread-safe;
 //! hashing runs with the GIL held (a 200k-token prompt takes well under a millisecond).
 
-use kvroute_core::keys::{self, TokenOutOfRange};
+use kvroute_core::keys::{self, TokenId, TokenOutOfRange};
 use kvroute_core::Policy;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -25,25 +25,28 @@ pub fn block_hashes<'py>(
     let result = match &tokens {
         Tokens::U32(a) => match a.as_slice() {
             Ok(s) => Ok(keys::block_hashes_u32(s, bs)),
-            Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<u32>>(), bs),
+            Err(_) => hash_array(a, bs),
         },
-        Tokens::I32(a) => match a.as_slice() {
-            Ok(s) => keys::block_hashes(s, bs),
-            Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<i32>>(), bs),
-        },
-        Tokens::I64(a) => match a.as_slice() {
-            Ok(s) => keys::block_hashes(s, bs),
-            Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<i64>>(), bs),
-        },
+        Tokens::I32(a) => hash_array(a, bs),
+        Tokens::I64(a) => hash_array(a, bs),
+        Tokens::U64(a) => hash_array(a, bs),
         Tokens::Owned(v) => keys::block_hashes(v, bs),
     };
     let keys = result.map_err(|TokenOutOfRange { position, value }| {
-        invalid(
-            py,
-            format!("token_ids[{position}] = {value} is outside the token id range 0..2**32"),
-        )
+        invalid(py, format!("token_ids[{position}] = {value} is outside the token id range 0..2**32"))
     })?;
     Ok(keys.into_pyarray(py))
+}
+
+/// Hash a numpy array in place when it is contiguous, else a copy of it.
+fn hash_array<T: TokenId + numpy::Element>(
+    a: &PyReadonlyArray1<'_, T>,
+    block_size: usize,
+) -> Result<Vec<u64>, TokenOutOfRange> {
+    match a.as_slice() {
+        Ok(s) => keys::block_hashes(s, block_size),
+        Err(_) => keys::block_hashes(&a.as_array().iter().copied().collect::<Vec<T>>(), block_size),
+    }
 }
 
 /// Chain per-block ids that are not chained yet: `key_i = H(key_{i-1}, id_i)`.
@@ -63,23 +66,12 @@ pub fn chain_ids_lists<'py>(
     let py = values.py();
     let values_v = values.as_array();
     let offsets_v = offsets.as_array();
-    let vals: std::borrow::Cow<'_, [u64]> = values_v.as_slice().map_or_else(
-        || values_v.iter().copied().collect::<Vec<_>>().into(),
-        Into::into,
-    );
-    let offs: std::borrow::Cow<'_, [i64]> = offsets_v.as_slice().map_or_else(
-        || offsets_v.iter().copied().collect::<Vec<_>>().into(),
-        Into::into,
-    );
-    let out = keys::chain_ids_lists(&vals, &offs).map_err(|i| {
-        invalid(
-            py,
-            format!(
-                "offsets[{i}..{}] do not describe a list inside values",
-                i + 1
-            ),
-        )
-    })?;
+    let vals: std::borrow::Cow<'_, [u64]> =
+        values_v.as_slice().map_or_else(|| values_v.iter().copied().collect::<Vec<_>>().into(), Into::into);
+    let offs: std::borrow::Cow<'_, [i64]> =
+        offsets_v.as_slice().map_or_else(|| offsets_v.iter().copied().collect::<Vec<_>>().into(), Into::into);
+    let out = keys::chain_ids_lists(&vals, &offs)
+        .map_err(|i| invalid(py, format!("offsets[{i}..{}] do not describe a list inside values", i + 1)))?;
     Ok(out.into_pyarray(py))
 }
 

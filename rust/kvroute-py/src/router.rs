@@ -8,7 +8,7 @@ use kvroute_core::{Policy, PolicyParams, Router, RouterConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::convert::{count, id, keys, optional_id};
+use crate::convert::{self, count, id, keys, optional_id};
 use crate::errors::{invalid, to_py};
 
 /// A KV-cache-aware router over `num_instances` engines (see the `kvroute` docs).
@@ -54,37 +54,27 @@ impl PyRouter {
         overlap_weight: f64,
         temperature: f64,
     ) -> PyResult<Self> {
-        let n = usize::try_from(num_instances).map_err(|_| {
-            invalid(
-                py,
-                format!("num_instances must be >= 0, got {num_instances}"),
-            )
-        })?;
+        let n = usize::try_from(num_instances)
+            .map_err(|_| invalid(py, format!("num_instances must be >= 0, got {num_instances}")))?;
         let policy = Policy::from_name(policy).map_err(|e| to_py(py, e))?;
-        let capacity = cache_capacity_blocks
-            .map(|c| positive(py, c, "cache_capacity_blocks"))
-            .transpose()?;
+        let capacity = cache_capacity_blocks.map(|c| positive(py, c, "cache_capacity_blocks")).transpose()?;
         let config = RouterConfig {
             block_size: positive(py, block_size, "block_size")?,
             cache_capacity_blocks: capacity.map(|c| c as usize),
-            seed: u64::try_from(seed)
-                .map_err(|_| invalid(py, format!("seed must be >= 0, got {seed}")))?,
+            seed: u64::try_from(seed).map_err(|_| invalid(py, format!("seed must be >= 0, got {seed}")))?,
             params: PolicyParams {
                 overload_factor,
                 hit_ratio_gate,
                 cache_threshold,
-                balance_abs: u64::try_from(balance_abs).map_err(|_| {
-                    invalid(py, format!("balance_abs must be >= 0, got {balance_abs}"))
-                })?,
+                balance_abs: u64::try_from(balance_abs)
+                    .map_err(|_| invalid(py, format!("balance_abs must be >= 0, got {balance_abs}")))?,
                 balance_rel,
                 overlap_weight,
                 temperature,
             },
         };
         let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
-        Ok(Self {
-            inner: Mutex::new(router),
-        })
+        Ok(Self { inner: Mutex::new(router) })
     }
 
     /// Pick an instance for a request and count it there; returns the instance index.
@@ -96,8 +86,7 @@ impl PyRouter {
         input_length: &Bound<'_, PyAny>,
         session_id: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        self.route_info_impl(request_id, hash_ids, input_length, session_id)
-            .map(|d| d.instance)
+        self.route_info_impl(request_id, hash_ids, input_length, session_id).map(|d| d.instance)
     }
 
     /// Like `route`, returning the decision: instance, hit_tokens, new_prefill, branch.
@@ -133,26 +122,14 @@ impl PyRouter {
     /// Estimated cached tokens of a request on one instance; changes nothing.
     fn estimate_cache_hit(
         &self,
-        instance: i64,
+        instance: &Bound<'_, PyAny>,
         hash_ids: &Bound<'_, PyAny>,
         input_length: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let py = hash_ids.py();
+        let inst = self.instance(instance)?;
         let keys = keys(hash_ids, "hash_ids")?;
         let n = count(input_length, "input_length")?;
-        let inst = usize::try_from(instance).unwrap_or(usize::MAX);
-        self.lock()
-            .estimate_cache_hit(inst, keys.as_slice(), n)
-            .map_err(|e| match e {
-                kvroute_core::Error::UnknownInstance { count, .. } => to_py(
-                    py,
-                    kvroute_core::Error::UnknownInstance {
-                        index: instance,
-                        count,
-                    },
-                ),
-                other => to_py(py, other),
-            })
+        self.lock().estimate_cache_hit(inst, keys.as_slice(), n).map_err(|e| to_py(instance.py(), e))
     }
 
     /// Estimated cached tokens on every instance (one index walk); changes nothing.
@@ -186,10 +163,10 @@ impl PyRouter {
     }
 
     /// Mark an instance up (True) or down (False).
-    fn set_available(&self, py: Python<'_>, instance: i64, flag: bool) -> PyResult<()> {
-        self.lock()
-            .set_available(instance, flag)
-            .map_err(|e| to_py(py, e))
+    fn set_available(&self, instance: &Bound<'_, PyAny>, flag: &Bound<'_, PyAny>) -> PyResult<()> {
+        let inst = self.instance(instance)?;
+        let up = convert::flag(flag, "flag")?;
+        self.lock().set_available(inst as i64, up).map_err(|e| to_py(instance.py(), e))
     }
 
     /// Add an available instance with an empty cache; returns its index.
@@ -204,8 +181,9 @@ impl PyRouter {
     }
 
     /// Keys resident on an instance's cache model, most recently touched first.
-    fn cached_keys(&self, py: Python<'_>, instance: i64) -> PyResult<Vec<u64>> {
-        self.lock().cached_keys(instance).map_err(|e| to_py(py, e))
+    fn cached_keys(&self, instance: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let inst = self.instance(instance)?;
+        self.lock().cached_keys(inst as i64).map_err(|e| to_py(instance.py(), e))
     }
 
     /// The policy's name.
@@ -245,6 +223,18 @@ impl PyRouter {
 }
 
 impl PyRouter {
+    /// An instance index argument: an int naming an existing instance.
+    fn instance(&self, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let count = self.lock().num_instances();
+        convert::integer(obj, "instance")?
+            .and_then(|i| usize::try_from(i).ok())
+            .filter(|&i| i < count)
+            .ok_or_else(|| {
+                let index = obj.extract::<i64>().unwrap_or(i64::MAX);
+                to_py(obj.py(), kvroute_core::Error::UnknownInstance { index, count })
+            })
+    }
+
     fn route_info_impl(
         &self,
         request_id: &Bound<'_, PyAny>,
@@ -257,8 +247,6 @@ impl PyRouter {
         let keys = keys(hash_ids, "hash_ids")?;
         let n = count(input_length, "input_length")?;
         let sid = optional_id(session_id, "session_id")?;
-        self.lock()
-            .route(rid, keys.as_slice(), n, sid.as_ref())
-            .map_err(|e| to_py(py, e))
+        self.lock().route(rid, keys.as_slice(), n, sid.as_ref()).map_err(|e| to_py(py, e))
     }
 }
