@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
+from kvroute.cli.synth import synth
 from kvroute.errors import KvrouteError
 from kvroute.trace import FORMATS, read_trace_with_report, write_trace
 from kvroute.trace_ops import MODELS, annotate_ttp, cap_sessions, plot_cdf, sample, trace_stats
@@ -99,7 +100,10 @@ _output_option = click.option(
 
 @click.group("trace")
 def trace() -> None:
-    """Read, convert, transform and describe traces."""
+    """Read, convert, transform, describe and synthesize traces."""
+
+
+trace.add_command(synth)
 
 
 @trace.command()

@@ -1,0 +1,77 @@
+"""``kvroute trace synth``: write a synthetic agentic trace and print what it achieved.
+
+Defined here as a standalone click command; ``kvroute.cli.trace`` attaches it to the
+``trace`` group.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from kvroute.errors import KvrouteError
+from kvroute.synth import PROFILES, synthesize
+
+
+@click.command("synth")
+@click.option(
+    "--profile",
+    type=click.Choice(list(PROFILES)),
+    default="agentic-glm",
+    show_default=True,
+    help="Trace shape: the study's full GLM-5.1 agentic trace, or its w600 sample.",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Scale the profile to N requests, sessions in proportion (default: its own size).",
+)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=42, show_default=True)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    required=True,
+    help="Parquet file to write (canonical trace format, zstd).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the achieved statistics as JSON.")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress bar on stderr (default: when stderr is a terminal).",
+)
+def synth(
+    profile: str,
+    requests: int | None,
+    seed: int,
+    output: Path,
+    as_json: bool,
+    progress: bool | None,
+) -> None:
+    """Write a synthetic agentic trace shaped like the study's and compare it with the study.
+
+    \b
+    kvroute trace synth --profile agentic-glm --seed 42 -o glm.parquet   # 2.11M requests
+    kvroute trace synth --profile w600 -o w600.parquet                   # 1214 requests
+    kvroute trace synth --requests 20000 -o small.parquet                # scaled down
+    """
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        stats = synthesize(profile, output, requests=requests, seed=seed, progress=show)
+    except (KvrouteError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(stats.to_dict(), sort_keys=True))
+        return
+    console = Console(width=max(Console().width, 100))
+    console.print(stats.table())
+    console.print(
+        f"[dim]{output}: {stats.file_bytes / 2**20:,.1f} MiB, {stats.sessions:,} sessions, "
+        f"{stats.input_tokens:,} input tokens; any/intra-session APC ceiling "
+        f"{stats.any_ceiling:.1%} / {stats.intra_ceiling:.1%}; {stats.elapsed_s:.1f} s[/dim]"
+    )
