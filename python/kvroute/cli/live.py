@@ -1,0 +1,280 @@
+"""``kvroute proxy``, ``kvroute engine`` and ``kvroute replay``: the live path.
+
+Thin wrappers over :mod:`kvroute.proxy`, :mod:`kvroute.emulator` and :mod:`kvroute.replay`;
+see ``docs/proxy.md`` and ``docs/replay.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+import kvroute
+from kvroute.errors import KvrouteError
+
+
+def _pairs(values: tuple[str, ...], what: str) -> dict[str, Any]:
+    """``KEY=VALUE`` options, values read as JSON when they parse (numbers, null, ...)."""
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=what)
+        try:
+            out[key.replace("-", "_")] = json.loads(raw)
+        except ValueError:
+            out[key.replace("-", "_")] = raw
+    return out
+
+
+def _ready(what: str) -> Any:
+    def say(url: str) -> None:
+        click.echo(f"kvroute {what} listening on {url}", err=True)
+
+    return say
+
+
+@click.command("proxy")
+@click.option("--backend", "backends", multiple=True, help="Engine base URL (repeat).")
+@click.option(
+    "--policy", type=click.Choice(kvroute.policies()), default="unified", show_default=True
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--block-size", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--router-option",
+    "router_opts",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Router keyword (cache_capacity_blocks, overload_factor, ...).",
+)
+@click.option(
+    "--tokenizer",
+    default="approx",
+    show_default=True,
+    help="Keys for text prompts: approx, backend, or a tokenizer.json path.",
+)
+@click.option("--session-header", default="X-Session-Id", show_default=True)
+@click.option(
+    "--session-field",
+    default="session_id",
+    show_default=True,
+    help="Body field naming the session when the header is absent ('' for none).",
+)
+@click.option("--max-body-bytes", default=32 << 20, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--request-timeout",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Seconds to wait for a backend's next bytes.",
+)
+@click.option("--connect-timeout", default=3.0, show_default=True, type=float)
+@click.option("--max-concurrency", default=4096, show_default=True, type=click.IntRange(min=1))
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(min=0))
+@click.option("--health-interval", default=2.0, show_default=True, type=float)
+@click.option("--unhealthy-after", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--healthy-after", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--admin-token",
+    envvar="KVROUTE_ADMIN_TOKEN",
+    default=None,
+    help="Bearer token of the admin API (env KVROUTE_ADMIN_TOKEN; none: API off).",
+)
+@click.option(
+    "--decision-log",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append one JSON line per routing decision to this file.",
+)
+@click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
+def proxy(**kw: Any) -> None:
+    """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
+    from kvroute.proxy import ProxyConfig, proxy_app, serve_forever
+
+    options = {"block_size": kw["block_size"], **_pairs(kw["router_opts"], "--router-option")}
+    try:
+        config = ProxyConfig(
+            backends=list(kw["backends"]),
+            policy=kw["policy"],
+            router_options=options,
+            tokenizer=kw["tokenizer"],
+            session_header=kw["session_header"],
+            session_field=kw["session_field"] or None,
+            max_body_bytes=kw["max_body_bytes"],
+            request_timeout_s=kw["request_timeout"],
+            connect_timeout_s=kw["connect_timeout"],
+            max_concurrency=kw["max_concurrency"],
+            retries=kw["retries"],
+            health_interval_s=kw["health_interval"],
+            unhealthy_after=kw["unhealthy_after"],
+            healthy_after=kw["healthy_after"],
+            admin_token=kw["admin_token"] or None,
+            decision_log=kw["decision_log"],
+        )
+        app = proxy_app(config)
+    except (KvrouteError, TypeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    serve_forever(
+        app, kw["host"], kw["port"], use_uvloop=not kw["no_uvloop"], on_ready=_ready("proxy")
+    )
+
+
+@click.command("engine")
+@click.option(
+    "--preset",
+    default="h20-qwen3-coder-30b-a3b",
+    show_default=True,
+    help="Engine preset: the simulator's (h20-qwen3-coder-30b-a3b, h200-...) or 'fast'.",
+)
+@click.option(
+    "--engine",
+    "engine_kind",
+    type=click.Choice(["sim", "simple"]),
+    default="sim",
+    show_default=True,
+    help="The simulator's engine model, or the small Python one.",
+)
+@click.option(
+    "--speedup", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True)
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8100, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--model", default=None, help="Model name to serve (default: the preset's model).")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a timing parameter of the preset.",
+)
+@click.option(
+    "--no-prompt-tokens-details",
+    is_flag=True,
+    help="Leave cached_tokens out of usage (vLLM without the flag).",
+)
+@click.option("--error-rate", default=0.0, type=click.FloatRange(0, 1))
+@click.option("--error-status", default=500, type=click.IntRange(400, 599))
+@click.option("--stall-rate", default=0.0, type=click.FloatRange(0, 1))
+@click.option("--stall-seconds", default=30.0, type=float)
+@click.option("--die-rate", default=0.0, type=click.FloatRange(0, 1))
+@click.option("--die-after-tokens", default=1, type=click.IntRange(min=0))
+@click.option("--fault-seed", default=0, type=int)
+@click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
+def engine(**kw: Any) -> None:
+    """Serve an OpenAI-compatible emulator of one vLLM engine (no GPU)."""
+    from kvroute.emulator import EmulatorConfig, FaultConfig, emulator_app
+    from kvroute.emulator.server import DEFAULT_MODEL
+    from kvroute.proxy.serving import serve_forever
+
+    try:
+        faults = FaultConfig(
+            error_rate=kw["error_rate"],
+            error_status=kw["error_status"],
+            stall_rate=kw["stall_rate"],
+            stall_s=kw["stall_seconds"],
+            die_rate=kw["die_rate"],
+            die_after_tokens=kw["die_after_tokens"],
+            seed=kw["fault_seed"],
+        )
+        config = EmulatorConfig(
+            model=kw["model"] or DEFAULT_MODEL,
+            preset=kw["preset"],
+            overrides=_pairs(kw["overrides"], "--set"),
+            speedup=kw["speedup"],
+            prompt_tokens_details=not kw["no_prompt_tokens_details"],
+            faults=faults,
+            engine=kw["engine_kind"],
+        )
+        app = emulator_app(config)
+    except (ValueError, TypeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    serve_forever(
+        app, kw["host"], kw["port"], use_uvloop=not kw["no_uvloop"], on_ready=_ready("engine")
+    )
+
+
+@click.command("replay")
+@click.argument("trace", type=click.Path(exists=True, path_type=Path))
+@click.option("--url", required=True, help="Base URL of the proxy or engine.")
+@click.option(
+    "--mode",
+    type=click.Choice(["tracets", "thinktime", "poisson"]),
+    default="thinktime",
+    show_default=True,
+)
+@click.option("--rate", type=float, default=None, help="poisson: sessions per second.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--time-scale",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.0),
+    help="Multiply trace times (timestamps, think times) by this.",
+)
+@click.option(
+    "--max-requests",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Replay only the first N requests of the trace.",
+)
+@click.option("--model", default=None, help="Model name (default: the first of /v1/models).")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("replay.parquet"),
+    show_default=True,
+    help="Records (Parquet).",
+)
+@click.option("--format", "fmt", default=None, help="Trace format (default: detected).")
+@click.option("--infer-sessions", is_flag=True, help="Mooncake: group requests into sessions.")
+@click.option("--vocab-size", default=32000, show_default=True, type=click.IntRange(min=257))
+@click.option("--request-timeout", default=3600.0, show_default=True, type=float)
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
+@click.option("--no-progress", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def replay(trace: Path, **kw: Any) -> None:
+    """Replay a trace's sessions against an OpenAI-compatible endpoint; write records."""
+    from kvroute.metrics import summarize
+    from kvroute.records import write_records
+    from kvroute.replay import ReplayConfig
+    from kvroute.replay import replay as run_replay
+    from kvroute.trace import read_trace
+
+    try:
+        table = read_trace(trace, format=kw["fmt"], infer_sessions=kw["infer_sessions"])
+        config = ReplayConfig(
+            url=kw["url"],
+            mode=kw["mode"],
+            model=kw["model"],
+            time_scale=kw["time_scale"],
+            max_requests=kw["max_requests"],
+            rate=kw["rate"],
+            seed=kw["seed"],
+            vocab_size=kw["vocab_size"],
+            request_timeout_s=kw["request_timeout"],
+            api_key=kw["api_key"],
+            progress=not kw["no_progress"],
+        )
+        records = run_replay(table, config)
+    except KvrouteError as exc:
+        raise click.ClickException(str(exc)) from exc
+    write_records(records, kw["output"])
+    summary = summarize(records)
+    if kw["as_json"]:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"records: {kw['output']} ({records.num_rows} requests)")
+    for key in ("requests", "errors", "apc", "req_bal"):
+        click.echo(f"{key}: {summary[key]}")
+    for key in ("ttft", "tpot", "e2e"):
+        p = summary[key]
+        click.echo(
+            f"{key} (s): "
+            + ", ".join(f"{k}={v:.4f}" if v is not None else f"{k}=-" for k, v in p.items())
+        )

@@ -1,0 +1,119 @@
+"""Real-time driving of an :class:`~kvroute.emulator.engine.Engine` on an asyncio loop.
+
+Engine time is ``(loop.time() - start) * speedup``. The driver keeps one timer on the loop,
+set for the engine's next event (but no sooner than ``min_tick_s`` of wall time after the last
+wake, so a fast engine is advanced in batches); each wake calls ``advance(now)`` once and hands
+the events to the per-request :class:`Channel`. A submit that makes the next event earlier
+moves the timer.
+
+Cost per wake: O(events); per request: O(1) channel work. Loop-affine: every method must be
+called on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvroute.emulator.engine import Engine, EngineEvent, RequestId
+
+
+class Channel:
+    """The events of one request, in order; one reader."""
+
+    __slots__ = ("_events", "_loop", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._events: list[EngineEvent] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, event: EngineEvent) -> None:
+        self._events.append(event)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> list[EngineEvent]:
+        """Every event not read yet (waits for at least one)."""
+        while not self._events:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self._events = self._events, []
+        return events
+
+
+class Driver:
+    """Runs one engine against the wall clock (see the module doc)."""
+
+    def __init__(self, engine: Engine, *, speedup: float = 1.0, min_tick_s: float = 0.001) -> None:
+        if speedup <= 0:
+            raise ValueError(f"speedup must be positive, got {speedup}")
+        self.engine = engine
+        self.speedup = speedup
+        self.min_tick_s = min_tick_s
+        self._loop = asyncio.get_running_loop()
+        self._start = self._loop.time()
+        self._last_wake = self._start
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._channels: dict[RequestId, Channel] = {}
+
+    def now(self) -> float:
+        """Engine time now."""
+        return (self._loop.time() - self._start) * self.speedup
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not finished or cancelled."""
+        return len(self._channels)
+
+    def submit(
+        self, request_id: RequestId, hash_ids: Sequence[int], input_length: int, output_length: int
+    ) -> Channel:
+        """Submit a request now; its events arrive on the returned channel."""
+        channel = Channel(self._loop)
+        self.engine.submit(request_id, hash_ids, input_length, output_length, self.now())
+        self._channels[request_id] = channel
+        self._schedule()
+        return channel
+
+    def cancel(self, request_id: RequestId) -> None:
+        """Drop a request (client gone); no-op when it already finished."""
+        if self._channels.pop(request_id, None) is not None:
+            self.engine.cancel(request_id)
+            self._schedule()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _schedule(self) -> None:
+        t = self.engine.next_event_time()
+        if t is None:
+            return
+        wall = max(self._start + t / self.speedup, self._last_wake + self.min_tick_s)
+        if self._timer is not None:
+            if wall >= self._timer_at:
+                return
+            self._timer.cancel()
+        self._timer_at = wall
+        self._timer = self._loop.call_at(wall, self._wake)
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        self._last_wake = self._loop.time()
+        channels = self._channels
+        for ev in self.engine.advance(self.now()):
+            ch = channels.get(ev.request_id)
+            if ch is None:
+                continue
+            ch.push(ev)
+            if ev.kind == "finish":
+                del channels[ev.request_id]
+        self._schedule()

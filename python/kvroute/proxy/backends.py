@@ -1,0 +1,149 @@
+"""The backends behind the proxy: health, failures, and adding or removing them at run time.
+
+Backend ``i`` is router instance ``i``, for good: a removed backend keeps its index (the router
+only marks it unavailable, and its in-flight requests finish normally); adding the same URL
+again brings that index back, a new URL gets ``router.add_instance()``.
+
+A backend is *down* after ``unhealthy_after`` consecutive failures (failed health checks,
+connection failures, 5xx answers), and *up* again after ``healthy_after`` consecutive good
+health checks; the router's availability follows (``set_available``). Health checks are
+``GET /health`` every ``health_interval_s``, all backends at once.
+
+O(backends) per health round; loop-affine (one event loop owns the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+import kvroute
+from kvroute.errors import InvalidArgumentError, UnknownInstanceError
+from kvroute.proxy.config import ProxyConfig, normalize_url
+
+log = logging.getLogger("kvroute.proxy")
+
+
+@dataclass
+class Backend:
+    """One engine behind the proxy."""
+
+    index: int
+    url: str
+    up: bool = True
+    removed: bool = False
+    failures: int = 0
+    successes: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"index": self.index, "url": self.url, "up": self.up, "removed": self.removed}
+
+
+class BackendPool:
+    """Backends, their health, and the router's view of their availability."""
+
+    def __init__(self, config: ProxyConfig, router: kvroute.Router) -> None:
+        self.config = config
+        self.router = router
+        self.backends: list[Backend] = []
+        for url in config.backends:
+            self.add(url)
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def get(self, index: int) -> Backend:
+        return self.backends[index]
+
+    def live(self) -> list[Backend]:
+        """Backends that take requests (added, not removed, up)."""
+        return [b for b in self.backends if b.up and not b.removed]
+
+    def _sync(self, b: Backend) -> None:
+        self.router.set_available(b.index, b.up and not b.removed)
+
+    def add(self, url: str) -> Backend:
+        """Add a backend (or bring a removed one back); it starts up."""
+        url = normalize_url(url)
+        for b in self.backends:
+            if b.url == url:
+                if not b.removed:
+                    raise InvalidArgumentError(f"backend {url} is already in the pool")
+                b.removed, b.up, b.failures, b.successes = False, True, 0, 0
+                self._sync(b)
+                return b
+        index = (
+            self.router.add_instance()
+            if len(self.backends) >= self.router.num_instances
+            else len(self.backends)
+        )
+        b = Backend(index, url)
+        self.backends.append(b)
+        self._sync(b)
+        return b
+
+    def find(self, key: str | int) -> Backend:
+        """A backend by index or URL."""
+        if isinstance(key, int) or key.isdigit():
+            i = int(key)
+            if 0 <= i < len(self.backends):
+                return self.backends[i]
+            raise UnknownInstanceError(f"no backend {i}")
+        url = normalize_url(key)
+        for b in self.backends:
+            if b.url == url:
+                return b
+        raise UnknownInstanceError(f"no backend {url}")
+
+    def remove(self, key: str | int) -> Backend:
+        """Stop routing to a backend; in-flight requests finish."""
+        b = self.find(key)
+        b.removed = True
+        self._sync(b)
+        return b
+
+    def failure(self, b: Backend) -> None:
+        b.successes = 0
+        b.failures += 1
+        if b.up and b.failures >= self.config.unhealthy_after:
+            b.up = False
+            log.warning("backend %s is down after %d failures", b.url, b.failures)
+            self._sync(b)
+
+    def success(self, b: Backend) -> None:
+        """A request went well: the failure streak ends (health checks bring a backend up)."""
+        b.failures = 0
+
+    def _health_ok(self, b: Backend) -> None:
+        b.failures = 0
+        b.successes += 1
+        if not b.up and b.successes >= self.config.healthy_after:
+            b.up = True
+            log.warning("backend %s is up again", b.url)
+            self._sync(b)
+
+    async def check(self, session: aiohttp.ClientSession, b: Backend) -> bool:
+        """One health check of ``b`` (updates its state)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        ok = False
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            async with session.get(b.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        if ok:
+            self._health_ok(b)
+        else:
+            self.failure(b)
+        return ok
+
+    async def health_loop(self, session: aiohttp.ClientSession) -> None:
+        """Check every backend each ``health_interval_s``, forever."""
+        while True:
+            targets = [b for b in self.backends if not b.removed]
+            if targets:
+                await asyncio.gather(*(self.check(session, b) for b in targets))
+            await asyncio.sleep(self.config.health_interval_s)

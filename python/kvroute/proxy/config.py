@@ -1,0 +1,76 @@
+"""The proxy's settings, one dataclass; ``kvroute proxy`` maps its options onto it.
+
+Stateless; a config is read-only once the proxy starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvroute
+from kvroute.errors import InvalidArgumentError
+
+
+def normalize_url(url: str) -> str:
+    """``url`` without trailing slashes; ``http://`` added when it has no scheme."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.startswith(("http://", "https://")):
+        raise InvalidArgumentError(f"backend URL must be http(s)://host:port, got {url!r}")
+    return url
+
+
+@dataclass
+class ProxyConfig:
+    """Everything the proxy needs to know (see ``docs/proxy.md``)."""
+
+    backends: list[str] = field(default_factory=list)
+    policy: str = "unified"
+    #: Keyword arguments of :class:`kvroute.Router` besides the policy (``block_size``,
+    #: ``cache_capacity_blocks``, ``overload_factor``, ...).
+    router_options: dict[str, Any] = field(default_factory=dict)
+    #: ``"approx"`` (byte chunking, no tokenizer), ``"backend"`` (the backend's ``/tokenize``)
+    #: or the path of a Hugging Face ``tokenizer.json``.
+    tokenizer: str = "approx"
+    session_header: str = "X-Session-Id"
+    #: Body field that names the session when the header is absent (None: header only).
+    session_field: str | None = "session_id"
+    max_body_bytes: int = 32 << 20
+    #: Longest wait for the backend's next bytes (for a non-streaming request: the whole
+    #: response), in seconds.
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 3.0
+    max_concurrency: int = 4096
+    #: Further attempts on other backends after a connection failure or a 5xx answer,
+    #: as long as no byte reached the client.
+    retries: int = 2
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 3
+    healthy_after: int = 2
+    #: Bearer token of the admin API; None turns the admin API off.
+    admin_token: str | None = None
+    decision_log: str | None = None
+
+    def __post_init__(self) -> None:
+        self.backends = [normalize_url(u) for u in self.backends]
+        if len(set(self.backends)) != len(self.backends):
+            raise InvalidArgumentError("the same backend URL is given twice")
+        if self.policy not in kvroute.policies():
+            raise InvalidArgumentError(
+                f"unknown policy {self.policy!r}; known: {', '.join(kvroute.policies())}"
+            )
+        for name in ("max_body_bytes", "max_concurrency", "unhealthy_after", "healthy_after"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be at least 1")
+        for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be positive")
+        if self.retries < 0:
+            raise InvalidArgumentError("retries must be at least 0")
+
+    @property
+    def block_size(self) -> int:
+        return int(self.router_options.get("block_size", 512))

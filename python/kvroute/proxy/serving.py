@@ -1,0 +1,141 @@
+"""Serving aiohttp applications, for the proxy and the emulator alike.
+
+* :func:`new_event_loop`: uvloop's loop when uvloop is installed (and not disabled), else
+  asyncio's.
+* :func:`start_app`: a runner with handler cancellation on (a client that disconnects
+  cancels its handler, so upstream work is cancelled at once), no access log, and a short
+  shutdown; returns the runner and the bound URL (port 0 picks a free port).
+* :func:`serve_forever`: run one application until SIGINT/SIGTERM (the CLI).
+* :class:`ServerThread`: an event loop in a daemon thread that hosts applications for tests,
+  benchmarks and notebooks; its methods are called from other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+T = TypeVar("T")
+
+
+def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when asked for and installed."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+async def start_app(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 1.0
+) -> tuple[web.AppRunner, str]:
+    """Start ``app`` on ``host:port``; returns its runner and ``http://host:port``."""
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1]
+    shown = f"[{host}]" if ":" in host else host
+    return runner, f"http://{shown}:{bound}"
+
+
+def serve_forever(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    use_uvloop: bool = True,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM; ``on_ready(url)`` once it listens."""
+
+    async def main() -> None:
+        runner, url = await start_app(app, host, port, shutdown_timeout=5.0)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        if on_ready is not None:
+            on_ready(url)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(use_uvloop)) as r:
+        r.run(main())
+
+
+class ServerThread:
+    """An event loop in a thread hosting aiohttp applications (see the module doc)."""
+
+    def __init__(self, use_uvloop: bool = False) -> None:
+        self.loop = new_event_loop(use_uvloop)
+        self._runners: dict[str, web.AppRunner] = {}
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run a coroutine on the thread's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
+        """Run a plain function on the loop's thread."""
+
+        async def wrap() -> T:
+            return fn()
+
+        return self.call(wrap(), timeout)
+
+    def start(self, app: web.Application | Callable[[], Awaitable[web.Application]]) -> str:
+        """Serve an application (or an async factory of one) on 127.0.0.1, a free port."""
+
+        async def go() -> str:
+            the_app = app if isinstance(app, web.Application) else await app()
+            runner, url = await start_app(the_app, shutdown_timeout=0.5)
+            self._runners[url] = runner
+            return url
+
+        return self.call(go())
+
+    def stop(self, url: str) -> None:
+        """Stop one application: close its port and its connections."""
+        runner = self._runners.pop(url)
+        self.call(runner.cleanup())
+
+    def close(self) -> None:
+        """Stop every application and the loop."""
+        for url in list(self._runners):
+            self.stop(url)
+
+        async def drain() -> None:
+            await asyncio.sleep(0.05)
+
+        self.call(drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,218 @@
+"""Helpers of the live-path tests (proxy, emulator, replay): plain HTTP calls, a stack of
+emulators behind a proxy on a background event loop, and small synthetic traces.
+
+Everything listens on 127.0.0.1 with free ports; servers run in-process on a
+:class:`kvroute.proxy.ServerThread`, so tests need no subprocesses and close everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from kvroute.emulator import EMULATOR, Emulator, EmulatorConfig, emulator_app
+from kvroute.proxy import PROXY, Proxy, ProxyConfig, ServerThread, proxy_app
+from kvroute.schema import trace_schema
+
+MODEL = "Qwen/Qwen3-Coder-30B-A3B-Instruct"
+
+
+def http(
+    method: str,
+    url: str,
+    body: bytes | dict[str, Any] | list[Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP call; status, headers and body (errors are answers, not exceptions)."""
+    data = json.dumps(body).encode() if isinstance(body, dict | list) else body
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None and not req.has_header("Content-type"):
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body (JSON decoded; ``[DONE]`` as the string)."""
+    out: list[Any] = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            payload = line[6:]
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def spawn(command: str, *args: str, timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
+    """Start ``kvroute COMMAND --port 0 ARGS`` as a subprocess; the process and its URL."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvroute", command, "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if "listening on " in line:
+            return proc, line.rsplit(" ", 1)[1].strip()
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"kvroute {command} did not start: {''.join(lines)}")
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """Stop a spawned server (SIGTERM, then SIGKILL) and close its pipe."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Stack:
+    """Emulators behind a proxy on one background loop."""
+
+    def __init__(
+        self,
+        engines: int = 3,
+        *,
+        speedup: float = 50.0,
+        preset: str = "h20-qwen3-coder-30b-a3b",
+        proxy: dict[str, Any] | None = None,
+        emulator: dict[str, Any] | None = None,
+    ) -> None:
+        self.st = ServerThread()
+        self.emulators: list[Emulator] = []
+        self.engine_urls: list[str] = []
+        try:
+            for _ in range(engines):
+                self.add_engine(speedup=speedup, preset=preset, **(emulator or {}))
+            app = proxy_app(ProxyConfig(backends=list(self.engine_urls), **(proxy or {})))
+            self.proxy: Proxy = app[PROXY]
+            self.url = self.st.start(app)
+        except BaseException:
+            self.st.close()
+            raise
+
+    def add_engine(self, **config: Any) -> str:
+        app = emulator_app(EmulatorConfig(**config))
+        url = self.st.start(app)
+        self.emulators.append(app[EMULATOR])
+        self.engine_urls.append(url)
+        return url
+
+    def state(self) -> list[dict[str, Any]]:
+        return [dict(s) for s in self.proxy.router.state()]
+
+    def idle(self) -> bool:
+        """No request in flight in the router or in any emulator."""
+        return self.proxy.router.in_flight == 0 and all(e.active == 0 for e in self.emulators)
+
+    def assert_counters_zero(self, timeout: float = 20.0) -> None:
+        wait_until(self.idle, timeout, "the proxy and engines to drain")
+        for s in self.state():
+            for key in ("num_requests", "ongoing_tokens", "pending_prefill_tokens"):
+                assert s[key] == 0, (key, s)
+            assert s["ongoing_decode_tokens"] == 0, s
+
+    def close(self) -> None:
+        self.st.close()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def small_trace(
+    sessions: int = 4,
+    turns: int = 3,
+    first_blocks: int = 2,
+    blocks_per_turn: int = 1,
+    block_size: int = 512,
+    gap: float = 0.2,
+    ttp: float = 0.1,
+    output_length: int = 8,
+    string_sessions: bool = False,
+    key_offset: int = 0,
+) -> pa.Table:
+    """Sessions whose turns extend the previous turn's keys (a growing conversation) by whole
+    blocks, as a trace's keys imply (a partial last block would get a key of its own)."""
+    rows: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "request_id",
+            "timestamp",
+            "session_id",
+            "turn",
+            "input_length",
+            "output_length",
+            "hash_ids",
+            "time_to_parent_chat",
+        )
+    }
+    rid = 0
+    for s in range(sessions):
+        keys: list[int] = []
+        for t in range(turns):
+            grow = first_blocks if t == 0 else blocks_per_turn
+            keys = keys + [key_offset + (s + 1) * 1_000_000 + t * 100 + i for i in range(grow)]
+            rows["request_id"].append(rid)
+            rows["timestamp"].append(s * gap + t * gap * sessions)
+            rows["session_id"].append(f"s{s}" if string_sessions else s)
+            rows["turn"].append(t)
+            rows["input_length"].append(len(keys) * block_size)
+            rows["output_length"].append(output_length)
+            rows["hash_ids"].append(list(keys))
+            rows["time_to_parent_chat"].append(None if t == 0 else ttp)
+            rid += 1
+    schema = trace_schema(
+        ttp=True, block_size=block_size, session_type=pa.string() if string_sessions else None
+    )
+    return pa.table(rows, schema=schema).sort_by("timestamp")
+
+
+__all__ = [
+    "MODEL",
+    "Stack",
+    "http",
+    "small_trace",
+    "spawn",
+    "sse_events",
+    "stop",
+    "wait_until",
+]

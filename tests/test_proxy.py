@@ -1,0 +1,311 @@
+"""The proxy: keys and sessions, pass-through, limits, admin API, metrics, decision log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+import kvroute
+from kvroute.errors import InvalidArgumentError
+from kvroute.proxy import PROXY, ProxyConfig, ServerThread, proxy_app
+from kvroute.proxy.keys import Keyer, approx_keys
+from kvroute.proxy.prompts import BadRequest, completion_prompt, render_chat
+from livekit import MODEL, Stack, http, sse_events, wait_until
+
+# -- keys and prompts -----------------------------------------------------------------------
+
+
+def test_completion_prompt_forms() -> None:
+    assert completion_prompt({"prompt": "hi"}) == "hi"
+    assert completion_prompt({"prompt": [1, 2]}) == [1, 2]
+    assert completion_prompt({"prompt": ["a", "b"]}) == "a"
+    assert completion_prompt({"prompt": [[5, 6], [7]]}) == [5, 6]
+    for bad in ({}, {"prompt": 3}, {"prompt": []}, {"prompt": [None]}, {"prompt": [[]]}):
+        with pytest.raises(BadRequest):
+            completion_prompt(bad)
+
+
+def test_chat_rendering_is_prefix_stable() -> None:
+    turn1 = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q1"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    r1, r2 = render_chat(turn1), render_chat(turn2)
+    assert r2.startswith(r1.removesuffix("<|im_start|>assistant\n"))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image"}]}]
+    assert "x" in render_chat(parts)
+
+
+def test_approx_keys_share_prefixes() -> None:
+    base = "word " * 2000
+    k1, n1 = approx_keys(base, 512)
+    k2, n2 = approx_keys(base + "more text " * 500, 512)
+    assert n1 == 2500 and n2 > n1
+    assert len(k1) == 5 and list(k2[: len(k1) - 1]) == list(k1[:-1])
+
+
+def test_keyer_keys_token_ids_exactly() -> None:
+    keyer = Keyer("approx", 16)
+    ids = list(range(100))
+    keys, n = asyncio.run(keyer.keys({"prompt": ids}, chat=False))
+    assert n == 100 and list(keys) == list(kvroute.block_hashes(ids, 16))
+    with pytest.raises(BadRequest):
+        asyncio.run(keyer.keys({"prompt": [1, 2**40]}, chat=False))
+
+
+def test_huggingface_tokenizer_mode(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 1, "b": 2, "[UNK]": 0}, "[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    keys, n = asyncio.run(Keyer(str(path), 2).keys({"prompt": "a b a b c"}, chat=False))
+    assert n == 5 and list(keys) == list(kvroute.block_hashes([1, 2, 1, 2, 0], 2))
+
+
+def test_config_checks() -> None:
+    with pytest.raises(InvalidArgumentError, match="policy"):
+        ProxyConfig(backends=["http://127.0.0.1:1"], policy="nope")
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        ProxyConfig(backends=["127.0.0.1:1", "http://127.0.0.1:1/"])
+    assert ProxyConfig(backends=["127.0.0.1:9"]).backends == ["http://127.0.0.1:9"]
+
+
+# -- against a recording backend ------------------------------------------------------------
+
+
+class Recorder:
+    """A fake engine that records what it receives and streams with pauses."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.Response()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.bodies.append(raw)
+        self.headers.append(dict(request.headers))
+        if not json.loads(raw).get("stream"):
+            return web.json_response({"choices": [], "usage": {"prompt_tokens": 3}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Extra": "1"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await asyncio.sleep(1.0)
+        await resp.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture(scope="module")
+def recorded() -> Iterator[tuple[ServerThread, str, Recorder, Any]]:
+    with ServerThread() as st:
+        rec = Recorder()
+        backend = st.start(rec.app())
+        app = proxy_app(ProxyConfig(backends=[backend], max_body_bytes=100_000))
+        url = st.start(app)
+        yield st, url, rec, app
+
+
+def test_bodies_pass_through_unchanged(recorded: tuple) -> None:
+    _, url, rec, _ = recorded
+    raw = (
+        b'{"model": "m",  "prompt": [1, 2, 3], "ignore_eos": true, "max_tokens": 4,'
+        b' "stream_options": {"include_usage": true}, "weird": [1.5e3, null]}'
+    )
+    status, headers, _ = http(
+        "POST", url + "/v1/completions", raw, {"Authorization": "Bearer k", "X-Session-Id": "s"}
+    )
+    assert status == 200 and rec.bodies[-1] == raw
+    assert rec.headers[-1]["Authorization"] == "Bearer k"
+    assert rec.headers[-1]["X-Session-Id"] == "s"
+    assert headers["X-Kvroute-Instance"] == "0"
+
+
+def test_streams_are_relayed_chunk_by_chunk(recorded: tuple) -> None:
+    st, url, _, _ = recorded
+
+    async def read() -> list[tuple[float, bytes]]:
+        got = []
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            body = {"prompt": [1], "stream": True}
+            async with s.post(url + "/v1/completions", json=body) as resp:
+                assert resp.headers["X-Extra"] == "1"
+                async for chunk in resp.content.iter_any():
+                    got.append((time.monotonic() - t0, chunk))
+        return got
+
+    chunks = st.call(read())
+    assert chunks[0][1].startswith(b'data: {"choices": [{"text": "a"}]}')
+    assert chunks[0][0] < 0.9 and chunks[-1][0] >= 0.95  # the first came before the pause
+    assert b"".join(c for _, c in chunks).endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b"{oops", None),
+        ("/v1/completions", b'"a string"', None),
+        ("/v1/completions", b'{"max_tokens": 1}', "prompt"),
+        ("/v1/completions", b'{"prompt": {"a": 1}}', "prompt"),
+        ("/v1/completions", b'{"prompt": [1, -1]}', "prompt"),
+        ("/v1/completions", b'{"prompt": [1, 2.5]}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "stream": 1}', "stream"),
+        ("/v1/chat/completions", b'{"messages": []}', "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', "messages"),
+        ("/v1/chat/completions", b"\xff\xfe", None),
+    ],
+)
+def test_malformed_bodies_get_openai_400(
+    recorded: tuple, path: str, body: bytes, param: str | None
+) -> None:
+    _, url, rec, app = recorded
+    n = len(rec.bodies)
+    status, _, raw = http("POST", url + path, body)
+    assert status == 400
+    err = json.loads(raw)["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == 400
+    assert len(rec.bodies) == n  # nothing reached the backend
+    assert app[PROXY].router.in_flight == 0
+
+
+def test_body_size_limit(recorded: tuple) -> None:
+    _, url, _, _ = recorded
+    big = json.dumps({"prompt": list(range(50_000))}).encode()
+    status, _, raw = http("POST", url + "/v1/completions", big)
+    assert status == 413 and json.loads(raw)["error"]["code"] == 413
+
+
+# -- with emulators -------------------------------------------------------------------------
+
+
+def test_health_models_and_no_backend_503() -> None:
+    with Stack(2, proxy={"admin_token": "t0p"}) as s:
+        status, _, raw = http("GET", s.url + "/health")
+        assert status == 200 and json.loads(raw)["backends_up"] == 2
+        status, _, raw = http("GET", s.url + "/v1/models")
+        assert status == 200 and json.loads(raw)["data"][0]["id"] == MODEL
+        auth = {"Authorization": "Bearer t0p"}
+        for i in range(2):
+            assert http("DELETE", f"{s.url}/admin/backends/{i}", headers=auth)[0] == 200
+        status, _, raw = http("POST", s.url + "/v1/completions", {"prompt": [1], "max_tokens": 1})
+        assert status == 503 and json.loads(raw)["error"]["type"] == "service_unavailable"
+        assert http("GET", s.url + "/health")[0] == 503
+        s.assert_counters_zero()
+
+
+def test_admin_api() -> None:
+    with Stack(1, proxy={"admin_token": "secret"}) as s:
+        auth = {"Authorization": "Bearer secret"}
+        assert http("GET", s.url + "/admin/backends")[0] == 401
+        assert (
+            http("GET", s.url + "/admin/backends", headers={"Authorization": "Bearer x"})[0] == 401
+        )
+        status, _, raw = http("GET", s.url + "/admin/backends", headers=auth)
+        assert status == 200 and len(json.loads(raw)["backends"]) == 1
+        new = s.add_engine(speedup=50)
+        status, _, raw = http("POST", s.url + "/admin/backends", {"url": new}, auth)
+        assert status == 201 and json.loads(raw)["index"] == 1
+        assert http("POST", s.url + "/admin/backends", {"url": new}, auth)[0] == 400
+        assert http("POST", s.url + "/admin/backends", {"nope": 1}, auth)[0] == 400
+        assert s.proxy.router.num_instances == 2
+        assert http("DELETE", s.url + "/admin/backends/0", headers=auth)[0] == 200
+        for i in range(3):
+            _, headers, _ = http(
+                "POST", s.url + "/v1/completions", {"prompt": [i], "max_tokens": 1}
+            )
+            assert headers["X-Kvroute-Instance"] == "1"
+        assert http("DELETE", s.url + "/admin/backends/7", headers=auth)[0] == 404
+        # Re-adding a removed URL brings its index back.
+        status, _, raw = http("POST", s.url + "/admin/backends", {"url": s.engine_urls[0]}, auth)
+        assert status == 201 and json.loads(raw)["index"] == 0
+        s.assert_counters_zero()
+    with Stack(1) as s:  # no token: no admin API
+        assert http("GET", s.url + "/admin/backends")[0] == 404
+
+
+def test_metrics_and_decision_log(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    with Stack(2, proxy={"decision_log": str(log), "policy": "unified"}) as s:
+        prompt = list(range(3000))
+        for _ in range(3):
+            body = {
+                "prompt": prompt,
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            status, _, raw = http("POST", s.url + "/v1/completions", body, {"X-Session-Id": "a"})
+            assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+        status, _, raw = http("GET", s.url + "/metrics")
+        text = raw.decode()
+        for name in (
+            "kvroute_proxy_decisions_total",
+            "kvroute_proxy_estimated_hit_tokens_total",
+            "kvroute_proxy_reported_cached_tokens_total",
+            "kvroute_proxy_in_flight",
+            "kvroute_proxy_ttft_seconds_bucket",
+            "kvroute_proxy_e2e_seconds_bucket",
+            "kvroute_proxy_routing_seconds_bucket",
+            "kvroute_proxy_backend_up",
+        ):
+            assert name in text, name
+        assert 'branch="affinity"' in text and 'policy="unified"' in text
+        reported = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvroute_proxy_reported_cached_tokens_total{")
+        )
+        hits = sum(e.engine.stats()["prefix_hits_tokens"] for e in s.emulators)
+        assert reported == hits > 0
+        s.assert_counters_zero()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == 3 and all(d["session"] == "a" for d in lines)
+    assert lines[1]["branch"] == "affinity" and lines[1]["estimated_hit_tokens"] == 3000
+    assert {t["instance"] for t in lines[0]["terms"]} == {0, 1}
+    assert {"hit_tokens", "new_prefill", "num_requests", "lmetric_score"} <= set(
+        lines[0]["terms"][0]
+    )
+
+
+def test_sessions_from_the_body_and_backend_tokenizer(tmp_path: Path) -> None:
+    log = tmp_path / "d.jsonl"
+    config = {"decision_log": str(log), "tokenizer": "backend", "policy": "sticky"}
+    with Stack(3, proxy=config) as s:
+        text = "the quick brown fox " * 300
+        _, _, raw = http("POST", s.engine_urls[0] + "/tokenize", {"prompt": text})
+        count = json.loads(raw)["count"]
+        for i in range(4):
+            body = {"prompt": text, "max_tokens": 1, "session_id": "body-session"}
+            status, headers, _ = http("POST", s.url + "/v1/completions", body)
+            assert status == 200
+            if i == 0:
+                first = headers["X-Kvroute-Instance"]
+            assert headers["X-Kvroute-Instance"] == first
+        s.proxy.decision_log.flush()  # type: ignore[union-attr]
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+        assert {d["session"] for d in lines} == {"body-session"}
+        assert {d["input_length"] for d in lines} == {count}
+        assert s.proxy.router.session_affinity("body-session") == int(first)
+        wait_until(s.idle)
+
+
+def test_keys_are_numpy_friendly() -> None:
+    keys, n = approx_keys("é" * 10, 4)
+    assert keys.dtype == np.uint64 and n == 5

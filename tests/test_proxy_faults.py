@@ -1,0 +1,210 @@
+"""The proxy under faults: dead, killed, stalled, erroring and dying backends, health checks,
+and clients that disconnect. Each ends with the router's counters back at zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import openai
+import pytest
+
+from kvroute.emulator import FaultConfig
+from livekit import MODEL, Stack, http, spawn, sse_events, stop, wait_until
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_connection_refused_is_retried_on_the_next_choice() -> None:
+    with Stack(1, proxy={"policy": "load_only", "health_interval_s": 60}) as s:
+        dead = f"http://127.0.0.1:{free_port()}"
+        s.proxy.pool.add(dead)  # index 1, refuses connections
+        s.proxy.pool.get(0).up = False
+        s.proxy.pool._sync(s.proxy.pool.get(0))  # only the dead one is "up"
+        s.proxy.pool.add(s.add_engine(speedup=50))  # index 2
+        for i in range(5):
+            status, headers, _ = http(
+                "POST", s.url + "/v1/completions", {"prompt": [i], "max_tokens": 1}
+            )
+            assert status == 200 and headers["X-Kvroute-Instance"] == "2"
+        assert not s.proxy.pool.get(1).up
+        text = http("GET", s.url + "/metrics")[2].decode()
+        assert 'kind="connect"' in text and "kvroute_proxy_retries_total" in text
+        s.assert_counters_zero()
+
+
+def test_a_backend_killed_mid_run() -> None:
+    proc, victim = spawn("engine", "--speedup", "2")
+    try:
+        with Stack(1, speedup=2, proxy={"policy": "round_robin", "health_interval_s": 60}) as s:
+            s.proxy.pool.add(victim)  # index 1: an emulator in its own process
+
+            async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str | None]:
+                body = {"prompt": [i] * 50, "max_tokens": 400, "ignore_eos": True, "stream": True}
+                async with session.post(s.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    inst = int(resp.headers["X-Kvroute-Instance"])
+                    events = sse_events(await resp.read())
+                errors = [
+                    e["error"]["message"] for e in events if isinstance(e, dict) and "error" in e
+                ]
+                if not errors:
+                    assert events[-1] == "[DONE]"
+                return inst, (errors[0] if errors else None)
+
+            async def run() -> list[tuple[int, str | None]]:
+                async with aiohttp.ClientSession() as session:
+                    tasks = [asyncio.create_task(one(session, i)) for i in range(8)]
+                    await asyncio.sleep(0.6)
+                    proc.kill()
+                    return await asyncio.gather(*tasks)
+
+            results = asyncio.run(run())
+            assert {inst for inst, _ in results} == {0, 1}
+            for inst, error in results:
+                assert (error is not None and "mid-stream" in error) if inst == 1 else error is None
+            # Later requests never see the dead backend: refused connections are retried.
+            for i in range(6):
+                body = {"prompt": [i], "max_tokens": 1}
+                status, headers, _ = http("POST", s.url + "/v1/completions", body)
+                assert status == 200 and headers["X-Kvroute-Instance"] == "0"
+            assert not s.proxy.pool.get(1).up
+            s.assert_counters_zero()
+    finally:
+        stop(proc)
+
+
+def test_a_stalled_backend_times_out_then_goes_down() -> None:
+    config = {
+        "policy": "round_robin",
+        "request_timeout_s": 1.0,
+        "unhealthy_after": 2,
+        "health_interval_s": 60,
+    }
+    with Stack(2, proxy=config) as s:
+        wait_until(lambda: s.proxy.pool.get(0).failures == 0 and s.proxy.pool.get(0).up)
+        s.emulators[0].faults = FaultConfig(stall_rate=1.0, stall_s=60)
+        statuses = []
+        for i in range(6):
+            t0 = time.monotonic()
+            status, _, raw = http(
+                "POST", s.url + "/v1/completions", {"prompt": [i], "max_tokens": 1}
+            )
+            statuses.append(status)
+            if status == 504:
+                assert 0.9 < time.monotonic() - t0 < 10
+                assert json.loads(raw)["error"]["type"] == "gateway_timeout"
+        assert statuses.count(504) == 2 and statuses.count(200) == 4
+        assert not s.proxy.pool.get(0).up
+        s.assert_counters_zero()
+
+
+def test_dying_backend() -> None:
+    with Stack(2, proxy={"policy": "load_only", "health_interval_s": 60}) as s:
+        s.emulators[0].faults = FaultConfig(die_rate=1.0, die_after_tokens=2)
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0) as client:
+            stream = client.completions.create(
+                model=MODEL,
+                prompt=[1] * 10,
+                max_tokens=6,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            got = []
+            with pytest.raises(openai.APIError, match="mid-stream"):
+                for chunk in stream:
+                    got.append(chunk.choices[0].text)
+            assert "".join(got).split() == ["the", "cache"]
+            stream.close()
+            # No byte reached the client yet: retried on the other backend.
+            out = client.completions.create(model=MODEL, prompt=[2] * 10, max_tokens=3)
+            assert out.choices[0].text
+            s.emulators[0].faults = FaultConfig(die_rate=1.0, die_after_tokens=0)
+            text = "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model=MODEL,
+                    prompt=[3] * 10,
+                    max_tokens=3,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            assert len(text.split()) == 3
+        s.assert_counters_zero()
+
+
+def test_error_answers_are_retried_then_relayed() -> None:
+    with Stack(2, proxy={"policy": "load_only", "health_interval_s": 60, "retries": 1}) as s:
+        s.emulators[0].faults = FaultConfig(error_rate=1.0, error_status=500)
+        status, headers, _ = http(
+            "POST", s.url + "/v1/completions", {"prompt": [1], "max_tokens": 1}
+        )
+        assert status == 200 and headers["X-Kvroute-Instance"] == "1"
+        s.emulators[1].faults = FaultConfig(error_rate=1.0, error_status=503)
+        status, _, raw = http("POST", s.url + "/v1/completions", {"prompt": [2], "max_tokens": 1})
+        assert status in (500, 503) and json.loads(raw)["error"]["message"] == "injected fault"
+        s.assert_counters_zero()
+
+
+def _raw_stream(url: str, body: dict[str, Any]) -> socket.socket:
+    parts = urlsplit(url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def test_client_disconnect_mid_stream_cancels_upstream() -> None:
+    with Stack(1, speedup=1) as s:
+        body = {"prompt": [5] * 100, "max_tokens": 5000, "ignore_eos": True, "stream": True}
+        with _raw_stream(s.url, body) as sock:
+            assert b"data:" in sock.recv(65536) or b"data:" in sock.recv(65536)
+            assert s.proxy.router.in_flight == 1
+        t0 = time.monotonic()
+        s.assert_counters_zero(timeout=5)
+        assert time.monotonic() - t0 < 5  # generation alone would take ~35 s
+        text = http("GET", s.url + "/metrics")[2].decode()
+        assert 'kind="client_disconnect"' in text
+
+
+def test_client_disconnect_during_prefill_cancels_upstream() -> None:
+    with Stack(1, speedup=1) as s:
+        body = {"prompt": [6] * 60_000, "max_tokens": 10, "stream": True}
+        with _raw_stream(s.url, body):
+            wait_until(lambda: s.emulators[0].active == 1, what="the request to arrive")
+            assert s.state()[0]["pending_prefill_tokens"] == 60_000
+        s.assert_counters_zero(timeout=4)  # the prefill alone takes ~6 s
+
+
+def test_health_checks_take_backends_down_and_up() -> None:
+    config = {"health_interval_s": 0.05, "unhealthy_after": 2, "healthy_after": 2}
+    with Stack(2, proxy=config) as s:
+        s.emulators[0].faults = FaultConfig(unhealthy=True)
+        wait_until(lambda: not s.state()[0]["available"], what="backend 0 down")
+        for i in range(4):
+            _, headers, _ = http(
+                "POST", s.url + "/v1/completions", {"prompt": [i], "max_tokens": 1}
+            )
+            assert headers["X-Kvroute-Instance"] == "1"
+        s.emulators[1].faults = FaultConfig(unhealthy=True)
+        wait_until(lambda: not s.state()[1]["available"], what="backend 1 down")
+        status, _, raw = http("POST", s.url + "/v1/completions", {"prompt": [1], "max_tokens": 1})
+        assert status == 503 and json.loads(raw)["error"]["code"] == 503
+        s.emulators[0].faults = FaultConfig()
+        wait_until(lambda: s.state()[0]["available"], what="backend 0 up again")
+        assert http("POST", s.url + "/v1/completions", {"prompt": [1], "max_tokens": 1})[0] == 200
+        s.assert_counters_zero()
