@@ -47,7 +47,7 @@ bench: build-release
 	$(BIN)/pytest benches -q --benchmark-only --benchmark-columns=min,median,mean,ops,rounds
 
 bench-rust:
-	cargo bench -p kvroute-core
+	cargo bench -p kvroute-bench
 
 clean:
 	rm -rf $(VENV) target

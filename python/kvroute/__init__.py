@@ -16,6 +16,7 @@ import warnings
 from kvroute._core import (
     BUILD_PROFILE,
     ROOT_SEED,
+    EngineModel,
     Router,
     __version__,
     block_hashes,
@@ -23,6 +24,7 @@ from kvroute._core import (
     chain_ids_lists,
     policies,
 )
+from kvroute.ceilings import Ceilings, ceilings
 from kvroute.errors import (
     DebugBuildWarning,
     DuplicateRequestError,
@@ -45,8 +47,10 @@ if BUILD_PROFILE != "release":
 __all__ = [
     "BUILD_PROFILE",
     "ROOT_SEED",
+    "Ceilings",
     "DebugBuildWarning",
     "DuplicateRequestError",
+    "EngineModel",
     "InvalidArgumentError",
     "KvrouteError",
     "KvrouteTypeError",
@@ -56,6 +60,7 @@ __all__ = [
     "UnknownPolicyError",
     "__version__",
     "block_hashes",
+    "ceilings",
     "chain_ids",
     "chain_ids_lists",
     "policies",

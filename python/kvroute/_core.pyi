@@ -1,7 +1,7 @@
 """Type stubs of the native extension ``kvroute._core`` (checked by ``mypy.stubtest``)."""
 
-from collections.abc import Sequence
-from typing import Final, Literal, TypeAlias, TypedDict, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal, TypeAlias, TypedDict, final
 
 import numpy as np
 import numpy.typing as npt
@@ -9,12 +9,17 @@ import numpy.typing as npt
 __all__ = [
     "BUILD_PROFILE",
     "ROOT_SEED",
+    "EngineModel",
     "Router",
     "__version__",
     "block_hashes",
+    "ceilings",
     "chain_ids",
     "chain_ids_lists",
+    "engine_params",
+    "engine_presets",
     "policies",
+    "simulate_runs",
 ]
 
 __version__: Final[str]
@@ -101,3 +106,96 @@ class Router:
     def block_size(self) -> int: ...
     @property
     def in_flight(self) -> int: ...
+
+class CeilingTotals(TypedDict):
+    ratio: float
+    hit_tokens: int
+    total_tokens: int
+    hit_requests: int
+    total_requests: int
+
+class CapacityTotals(CeilingTotals):
+    capacity: int
+
+class ReuseTotals(TypedDict):
+    intra: int
+    cross: int
+    shared: int
+
+class PerRequestMatches(TypedDict):
+    any: npt.NDArray[np.uint32]
+    intra: npt.NDArray[np.uint32]
+    shared: npt.NDArray[np.uint32]
+    capacity: list[npt.NDArray[np.uint32]]
+
+class CeilingsResult(TypedDict):
+    any: CeilingTotals
+    intra: CeilingTotals
+    shared: CeilingTotals
+    reuse: ReuseTotals
+    capacity: list[CapacityTotals]
+    per_request: PerRequestMatches | None
+
+def ceilings(
+    data: object,
+    *,
+    block_size: int = 512,
+    min_sessions: int = 8,
+    capacities: Sequence[int] | None = None,
+    per_request: bool = False,
+    progress: Callable[[int, int], object] | None = None,
+) -> CeilingsResult: ...
+
+# ---- simulator (kvroute.sim, docs/simulator.md) ----
+
+EngineEvent: TypeAlias = (
+    tuple[Literal["first_token"], RequestId, float, int]
+    | tuple[Literal["tokens"], RequestId, float, int]
+    | tuple[Literal["finish"], RequestId, float]
+)
+
+class EngineStats(TypedDict):
+    running: int
+    waiting: int
+    kv_used_blocks: int
+    kv_cached_blocks: int
+    kv_total_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    finished: int
+    steps: int
+    now: float
+
+@final
+class EngineModel:
+    def __new__(
+        cls, preset: str = "h20-qwen3-coder-30b-a3b", **overrides: float
+    ) -> EngineModel: ...
+    def submit(
+        self,
+        request_id: RequestId,
+        hash_ids: HashIds,
+        input_length: int,
+        output_length: int,
+        now: float,
+    ) -> None: ...
+    def next_event_time(self) -> float | None: ...
+    def advance(self, now: float) -> list[EngineEvent]: ...
+    def cancel(self, request_id: RequestId) -> bool: ...
+    def stats(self) -> EngineStats: ...
+    @property
+    def params(self) -> dict[str, float]: ...
+    @property
+    def preset(self) -> str: ...
+    @property
+    def active(self) -> int: ...
+
+def engine_presets() -> list[str]: ...
+def engine_params(
+    preset: str = "h20-qwen3-coder-30b-a3b", overrides: Mapping[str, float] | None = None
+) -> dict[str, float]: ...
+def simulate_runs(
+    traces: list[dict[str, Any]], runs: list[dict[str, Any]]
+) -> list[dict[str, Any]]: ...

@@ -6,7 +6,10 @@ from __future__ import annotations
 import click
 
 import kvroute
+from kvroute.cli.ceilings import ceilings
 from kvroute.cli.demo import demo, list_policies
+from kvroute.cli.live import engine, proxy, replay
+from kvroute.cli.simulate import simulate
 from kvroute.cli.trace import trace
 
 
@@ -18,6 +21,11 @@ def main() -> None:
 
 main.add_command(list_policies)
 main.add_command(demo)
+main.add_command(ceilings)
 main.add_command(trace)
+main.add_command(proxy)
+main.add_command(engine)
+main.add_command(replay)
+main.add_command(simulate)
 
 __all__ = ["main"]

@@ -9,9 +9,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvroute_core::keys::{block_hashes, block_hashes_u32, chain_ids};
 
 fn tokens(n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) % 151_936)
-        .collect()
+    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect()
 }
 
 fn keys(c: &mut Criterion) {

@@ -26,6 +26,7 @@ fn route_grid(c: &mut Criterion) {
             g.bench_function(BenchmarkId::new(format!("{keys}keys"), instances), |b| {
                 b.iter_custom(|iters| timed_routes(&mut w, iters));
             });
+            assert_eq!(w.cold_sessions(), 0, "a session prefix was evicted: cache bound too tight");
         }
     }
     g.finish();
@@ -33,6 +34,7 @@ fn route_grid(c: &mut Criterion) {
     for name in ["unified", "lmetric", "leastwork"] {
         let mut w = WarmRouter::new(8, 128, policy(name));
         g.bench_function(name, |b| b.iter_custom(|iters| timed_routes(&mut w, iters)));
+        assert_eq!(w.cold_sessions(), 0, "a session prefix was evicted: cache bound too tight");
     }
     g.finish();
 }

@@ -3,20 +3,22 @@
 //!
 //! The workload mirrors `benches/workload.py` (the Python benches):
 //!
-//! - `sessions` conversations (at least 512, and at least one per instance), in 16 groups;
+//! - 1024 sessions (conversations) in every cell, in 16 groups;
 //!   the sessions of a group share a system prompt of `min(4, keys / 4)` blocks, then diverge.
-//! - Background load: `2 × instances` requests stay in flight (half of them past their first
-//!   token), so the policies score real, non-zero loads. They are routed first.
+//! - Background load: `2 × instances` short requests (4 blocks) stay in flight (half of them
+//!   past their first token), so the policies score real, non-zero loads. Routed first.
 //! - Warm-up routes every session twice (half its prefix, then the whole `keys - 1` block
-//!   prefix) and finishes each request, so the unified policy spreads the sessions over the
-//!   instances and every cache model is warm (checked: every prefix is fully cached).
+//!   prefix) with `instances` warm-up requests in flight (finished first in, first out), so
+//!   the sessions spread over the instances, and every cache model is warm (checked: every
+//!   prefix is fully cached somewhere).
 //! - A benchmarked call routes the next session (round robin) with `keys` keys: its warm
 //!   `keys - 1` block prefix plus one new block (a fresh key on every call, as a regenerated
 //!   or edited last turn), then the request is finished outside the timed region.
 //!
-//! Criterion runs millions of calls, so every call adds one fresh key: the cache models are
-//! bounded (`cache_capacity_blocks` = four times the warm keys of an even spread) and evict those stale
-//! last-turn keys in steady state, while the session prefixes stay resident.
+//! Criterion runs millions of calls and revisits every session many times, each time with a
+//! fresh last key, so the cache models are bounded (see [`WarmRouter::new`]): in steady state
+//! each call evicts one stale last-turn key and the session prefixes stay resident, so the
+//! cache holds about as many keys as in the Python benches (which visit each session once).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -27,6 +29,10 @@ use kvroute_core::{Id, Policy, Router, RouterConfig};
 
 /// Tokens per block, the default of `kvroute.Router`.
 pub const BLOCK_SIZE: u64 = 512;
+
+/// Blocks of each background request (short, so the cache holds about as many keys in every
+/// cell).
+const BACKGROUND_BLOCKS: usize = 4;
 
 /// Groups of sessions that share a system prompt.
 const GROUPS: u64 = 16;
@@ -39,9 +45,10 @@ pub fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Number of sessions for a cell: a few hundred, and at least one per instance.
+/// Number of sessions: the same in every cell (so the cache holds the same number of keys
+/// whatever the instance count), and at least one per instance.
 pub fn sessions_for(instances: usize) -> usize {
-    instances.max(512)
+    instances.max(1024)
 }
 
 /// Prefix-chained keys of session `s`'s first `len` blocks. Blocks below `shared` are the
@@ -79,37 +86,46 @@ pub struct WarmRouter {
 
 impl WarmRouter {
     /// A router with `instances` instances and `policy`, warmed as the module docs say.
+    ///
+    /// The cache capacity comes from a probe: the same warm-up on an unbounded router gives
+    /// the most keys any instance holds (`max`); the real router gets `max` plus room for one
+    /// stale last-turn key per session and some slack. That evicts nothing during warm-up (so
+    /// both warm-ups place the sessions alike) and, in steady state, only stale last-turn
+    /// keys: a session's prefix is touched once per cycle over the sessions, and the cache
+    /// keeps every key touched in the last cycle.
     pub fn new(instances: usize, keys: usize, policy: Policy) -> Self {
         assert!(keys >= 2, "a request needs a prefix and one new block");
+        let probe = Self::warmed(instances, keys, policy, None);
+        let max = probe.router.state().iter().map(|s| s.cached_blocks).max().unwrap_or(0);
+        // Slack independent of the instance count, so stale keys do not pile up with it.
+        let capacity = max + 2 * max.div_ceil(keys - 1) + 8;
+        Self::warmed(instances, keys, policy, Some(capacity))
+    }
+
+    fn warmed(instances: usize, keys: usize, policy: Policy, capacity: Option<usize>) -> Self {
         let sessions = sessions_for(instances);
         let shared = shared_blocks(keys);
-        // Room for twice the warm keys of an even spread, and then some: prefixes stay resident,
-        // stale last-turn keys get evicted in steady state.
-        let warm_per_instance = sessions.div_ceil(instances) * keys;
-        let config = RouterConfig {
-            cache_capacity_blocks: Some(4 * warm_per_instance + 8 * keys),
-            ..RouterConfig::default()
-        };
+        let config = RouterConfig { cache_capacity_blocks: capacity, ..RouterConfig::default() };
         let mut router = Router::new(instances, policy, config).expect("valid config");
-        let chains: Vec<Vec<u64>> = (0..sessions)
-            .map(|s| session_chain(s, keys, shared))
-            .collect();
+        let chains: Vec<Vec<u64>> = (0..sessions).map(|s| session_chain(s, keys, shared)).collect();
         let mut next_id: i64 = 0;
         // Background first, so the warm-up already sees non-zero loads (with all loads at
         // zero, `lmetric` would put every session on instance 0).
         for b in 0..2 * instances {
-            let chain = session_chain(1_000_000 + b, keys.div_ceil(2), 0);
+            let chain = session_chain(1_000_000 + b, BACKGROUND_BLOCKS, 0);
             let id = Id::Int(next_id);
             next_id += 1;
             let len = chain.len() as u64 * BLOCK_SIZE;
-            router
-                .route(id.clone(), &chain, len, Some(&Id::Int(-1 - b as i64)))
-                .expect("background route");
+            router.route(id.clone(), &chain, len, Some(&Id::Int(-1 - b as i64))).expect("background route");
             if b % 2 == 0 {
                 router.first_token(&id);
             }
         }
+        // Warm-up with `instances` requests in flight (finished first in, first out), as under
+        // real concurrency: the in-flight ones raise their instances' scores, so sessions
+        // spread instead of all tying on the same idle instance.
         let prefix = keys - 1;
+        let mut window = std::collections::VecDeque::with_capacity(instances + 1);
         for cut in [prefix.div_ceil(2), prefix] {
             for (s, chain) in chains.iter().enumerate() {
                 let id = Id::Int(next_id);
@@ -118,28 +134,29 @@ impl WarmRouter {
                 router
                     .route(id.clone(), &chain[..cut], len, Some(&Id::Int(s as i64)))
                     .expect("warm-up route");
-                router.finish(&id);
+                window.push_back(id);
+                if window.len() > instances {
+                    router.finish(&window.pop_front().expect("non-empty"));
+                }
             }
         }
-        let full = prefix as u64 * BLOCK_SIZE;
-        let cold = chains
-            .iter()
-            .filter(|c| {
-                router
-                    .estimate_cache_hits(&c[..prefix], full)
-                    .into_iter()
-                    .max()
-                    != Some(full)
-            })
-            .count();
-        assert_eq!(cold, 0, "every session prefix must be cached after warm-up");
-        Self {
-            router,
-            chains,
-            next_session: 0,
-            next_id,
-            fresh: 0,
+        for id in window {
+            router.finish(&id);
         }
+        let warm = Self { router, chains, next_session: 0, next_id, fresh: 0 };
+        assert_eq!(warm.cold_sessions(), 0, "every session prefix must be cached after warm-up");
+        warm
+    }
+
+    /// Sessions whose `keys - 1` block prefix is not fully cached on any instance: 0 after
+    /// the warm-up, and still 0 after any number of calls when the cache bound is right.
+    pub fn cold_sessions(&self) -> usize {
+        let prefix = self.chains[0].len() - 1;
+        let full = prefix as u64 * BLOCK_SIZE;
+        self.chains
+            .iter()
+            .filter(|c| self.router.estimate_cache_hits(&c[..prefix], full).into_iter().max() != Some(full))
+            .count()
     }
 
     /// Route the next request (next session: its warm prefix plus a fresh last block, all
@@ -157,9 +174,7 @@ impl WarmRouter {
         let session = Id::Int(s as i64);
         let input_length = last as u64 * BLOCK_SIZE + 300;
         let start = Instant::now();
-        let decision =
-            self.router
-                .route(id.clone(), black_box(chain), input_length, Some(&session));
+        let decision = self.router.route(id.clone(), black_box(chain), input_length, Some(&session));
         let elapsed = start.elapsed();
         black_box(decision.expect("route"));
         self.router.finish(&id);

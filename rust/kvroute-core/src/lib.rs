@@ -4,10 +4,13 @@
 //! - [`cache`]: per-instance LRU cache models under one cluster-wide index.
 //! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
 //! - [`router`]: the request state machine that ties them together.
+//! - [`ceilings`]: APC ceilings of a whole trace (parallel, rayon).
+//! - [`sim`]: the cluster simulator (engines, dispatch, sweeps) around the router.
 //!
 //! The rules are those of the project's semantics page (`docs/semantics.md`).
 
 pub mod cache;
+pub mod ceilings;
 pub mod error;
 pub mod keys;
 pub mod lru;
@@ -15,6 +18,7 @@ pub mod picker;
 pub mod policy;
 pub mod rng;
 pub mod router;
+pub mod sim;
 
 pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};

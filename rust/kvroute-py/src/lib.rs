@@ -1,11 +1,14 @@
 //! `kvroute._core`: the PyO3 bindings of kvroute-core. One small file per exposed piece:
 //! [`router`] (the `Router` class), [`keys`] (key functions), [`convert`] (argument
-//! conversion) and [`errors`] (exception mapping).
+//! conversion), [`ceilings`] (trace ceilings over Arrow input), [`sim`] (the simulator and
+//! `EngineModel`) and [`errors`] (exception mapping).
 
+mod ceilings;
 mod convert;
 mod errors;
 mod keys;
 mod router;
+mod sim;
 
 use pyo3::prelude::*;
 
@@ -16,15 +19,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keys::chain_ids, m)?)?;
     m.add_function(wrap_pyfunction!(keys::chain_ids_lists, m)?)?;
     m.add_function(wrap_pyfunction!(keys::policies, m)?)?;
+    m.add_function(wrap_pyfunction!(ceilings::ceilings, m)?)?;
+    m.add_class::<sim::engine_model::PyEngineModel>()?;
+    m.add_function(wrap_pyfunction!(sim::simulate_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(sim::engine_params, m)?)?;
+    m.add_function(wrap_pyfunction!(sim::engine_presets, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add(
-        "BUILD_PROFILE",
-        if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        },
-    )?;
+    m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     m.add("ROOT_SEED", kvroute_core::keys::ROOT_SEED)?;
     Ok(())
 }

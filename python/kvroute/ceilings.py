@@ -1,0 +1,251 @@
+"""APC ceilings of a trace: how much of its prompt tokens a prefix cache could serve at best.
+
+:func:`ceilings` takes a path, a pyarrow Table or a polars DataFrame in the canonical trace
+format (:mod:`kvroute.schema`) and hands its columns to the Rust core zero-copy through the
+Arrow PyCapsule interface (``list`` and ``large_list`` keys alike). The work runs with the GIL
+released on all cores; a progress bar appears on a terminal once a run passes two seconds,
+and Ctrl-C stops it cleanly (``KeyboardInterrupt``). The exact definitions (any-session,
+intra-session, shared-prefix, capacity curve, reuse split) are SEMANTICS §4, restated in
+``docs/ceilings.md``. Time O(keys) for the three ceilings (plus O(keys) for the curve),
+memory O(requests + nodes new to their session + keys / 8); stateless and thread-safe.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvroute import _core
+from kvroute.errors import InvalidArgumentError, KvrouteTypeError
+from kvroute.schema import block_size_of
+
+COLUMNS = ("timestamp", "session_id", "input_length", "hash_ids")
+SHOW_PROGRESS_AFTER_S = 2.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One ceiling: ``ratio = hit_tokens / total_tokens``; ``hit_requests`` have k >= 1."""
+
+    ratio: float
+    hit_tokens: int
+    total_tokens: int
+    hit_requests: int
+    total_requests: int
+
+
+@dataclass(frozen=True)
+class CapacityPoint:
+    """The any-session ceiling with one global LRU cache of ``capacity`` keys."""
+
+    capacity: int
+    ratio: float
+    hit_tokens: int
+    total_tokens: int
+    hit_requests: int
+    total_requests: int
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """Any-session hit tokens by where the block was reached first: the same session,
+    another session through a shared prefix (``S >= min_sessions``), or another one."""
+
+    intra: int
+    cross: int
+    shared: int
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Everything :func:`ceilings` finds. ``per_request`` (when asked for) has one row per
+    request, in trace order: ``request_id``, matched keys ``any``, ``intra``, ``shared`` and
+    one ``capacity_<C>`` column per capacity."""
+
+    any: Variant
+    intra: Variant
+    shared: Variant
+    capacity: tuple[CapacityPoint, ...]
+    reuse: Reuse
+    block_size: int
+    min_sessions: int
+    per_request: pa.Table | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of ``kvroute ceilings --json``."""
+        return {
+            "any": asdict(self.any),
+            "intra": asdict(self.intra),
+            "shared": asdict(self.shared),
+            "capacity": [asdict(c) for c in self.capacity],
+            "reuse": asdict(self.reuse),
+        }
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer | float):
+        raise KvrouteTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, float) and not value.is_integer():
+        raise InvalidArgumentError(f"{name} must be a whole number, got {value}")
+    if int(value) < 1:
+        raise InvalidArgumentError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def _no_keys(path: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{path}: the trace has no block keys (hash_ids), e.g. a lengths-only CSV; "
+        "ceilings need keys: use a trace with hash_ids or tokenized prompts"
+    )
+
+
+def _load(trace: Any, need: Sequence[str]) -> tuple[Any, int | None, str]:
+    """The object to hand to Rust, the block size its metadata records, and a name."""
+    from kvroute.trace import KEYS_KEY, read_trace
+
+    if isinstance(trace, str | Path):
+        path = Path(trace)
+        if path.suffix.lower() in (".parquet", ".pq") and path.is_file():
+            try:
+                schema = pq.read_schema(path)
+                cols = [c for c in need if c in schema.names]
+                table = pq.read_table(path, columns=cols)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise InvalidArgumentError(f"{path}: not a readable Parquet file: {exc}") from exc
+        else:
+            table = read_trace(path)
+        if (table.schema.metadata or {}).get(KEYS_KEY) == b"none":
+            raise _no_keys(str(path))
+        return table, block_size_of(table), str(path)
+    if isinstance(trace, pa.Table):
+        if (trace.schema.metadata or {}).get(KEYS_KEY) == b"none":
+            raise _no_keys("<table>")
+        table = trace.select([c for c in need if c in trace.column_names])
+        return table, block_size_of(trace), "<table>"
+    if type(trace).__module__.startswith("polars"):
+        return trace.select([c for c in need if c in trace.columns]), None, "<polars DataFrame>"
+    if hasattr(trace, "__arrow_c_stream__"):
+        return pa.table(trace), None, "<arrow stream>"
+    raise KvrouteTypeError(
+        f"trace must be a path, a pyarrow Table or a polars DataFrame, got {type(trace).__name__}"
+    )
+
+
+def _request_ids(data: Any) -> Any:
+    names = data.column_names if isinstance(data, pa.Table) else data.columns
+    if "request_id" in names:
+        return data.column("request_id") if isinstance(data, pa.Table) else data["request_id"]
+    return pa.array(np.arange(len(data), dtype=np.int64))
+
+
+class _Bar:
+    """A rich progress bar on stderr that shows up only for runs longer than a few seconds."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self.progress: Any = None
+        self.task: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or time.monotonic() - self.start < SHOW_PROGRESS_AFTER_S:
+            return
+        if self.progress is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TimeElapsedColumn
+
+            self.progress = Progress(
+                "ceilings",
+                BarColumn(),
+                "{task.percentage:>3.0f}%",
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("ceilings", total=max(total, 1))
+        self.progress.update(self.task, completed=done, total=max(total, 1))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def ceilings(
+    trace: Any,
+    *,
+    block_size: int | None = None,
+    min_sessions: int = 8,
+    capacities: Sequence[int] | None = None,
+    per_request: bool = False,
+    progress: bool | Callable[[int, int], object] | None = None,
+) -> Ceilings:
+    """APC ceilings of ``trace`` (SEMANTICS §4).
+
+    ``block_size``: tokens per key (default: the trace's ``kvroute.block_size`` metadata,
+    else 512). ``min_sessions``: sessions through a node for it to count as a shared prefix.
+    ``capacities``: cache sizes in keys for the capacity curve (one global LRU each).
+    ``per_request``: also return every request's matched key counts as an Arrow table.
+    ``progress``: ``None`` shows a bar on a terminal after two seconds, ``True`` always does,
+    ``False`` never; a callable gets ``(done, total)`` about every 100 ms.
+    """
+    need = [*COLUMNS, "request_id"] if per_request else list(COLUMNS)
+    data, recorded, _name = _load(trace, need)
+    bs = _positive_int(block_size, "block_size") if block_size is not None else recorded or 512
+    ms = _positive_int(min_sessions, "min_sessions")
+    caps = [_positive_int(c, "every capacity") for c in capacities or ()]
+    # Give back what pyarrow's allocator kept from reading the trace before Rust allocates.
+    pa.default_memory_pool().release_unused()
+    if callable(progress):
+        bar: _Bar | None = None
+        callback: Callable[[int, int], object] = progress
+    else:
+        enabled = sys.stderr.isatty() if progress is None else bool(progress)
+        bar = _Bar(enabled)
+        callback = bar
+    try:
+        raw = _core.ceilings(
+            data,
+            block_size=bs,
+            min_sessions=ms,
+            capacities=caps,
+            per_request=per_request,
+            progress=callback,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    table = None
+    if per_request:
+        per = raw["per_request"]
+        assert per is not None
+        cols: dict[str, Any] = {
+            "request_id": _request_ids(data),
+            "any": per["any"],
+            "intra": per["intra"],
+            "shared": per["shared"],
+        }
+        for point, col in zip(raw["capacity"], per["capacity"], strict=True):
+            cols[f"capacity_{point['capacity']}"] = col
+        table = pa.table(cols)
+    return Ceilings(
+        any=Variant(**raw["any"]),
+        intra=Variant(**raw["intra"]),
+        shared=Variant(**raw["shared"]),
+        capacity=tuple(CapacityPoint(**c) for c in raw["capacity"]),
+        reuse=Reuse(**raw["reuse"]),
+        block_size=bs,
+        min_sessions=ms,
+        per_request=table,
+    )
+
+
+__all__ = ["CapacityPoint", "Ceilings", "Reuse", "Variant", "ceilings"]

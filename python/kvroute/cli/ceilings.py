@@ -1,0 +1,100 @@
+"""``kvroute ceilings TRACE``: the APC ceilings of a trace, as a table or one JSON object."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kvroute.ceilings import CapacityPoint, Ceilings, Variant
+from kvroute.ceilings import ceilings as compute_ceilings
+from kvroute.errors import KvrouteError
+
+
+def _capacities(text: str | None) -> list[int]:
+    if not text:
+        return []
+    out = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError as exc:
+            raise click.BadParameter(f"{part!r} is not a number", param_hint="--capacity") from exc
+        if not value.is_integer() or value < 1:
+            raise click.BadParameter(
+                f"{part!r} is not a positive whole number of keys", param_hint="--capacity"
+            )
+        out.append(int(value))
+    return out
+
+
+def _table(result: Ceilings, name: str) -> Table:
+    table = Table(title=f"APC ceilings of {name} (block {result.block_size} tokens)")
+    for col in ("ceiling", "ratio", "hit tokens", "total tokens", "hit requests", "requests"):
+        table.add_column(col, justify="left" if col == "ceiling" else "right")
+    rows: list[tuple[str, Variant | CapacityPoint]] = [
+        ("any-session", result.any),
+        ("intra-session", result.intra),
+        (f"shared-prefix (S >= {result.min_sessions})", result.shared),
+        *((f"LRU of {c.capacity:,} keys", c) for c in result.capacity),
+    ]
+    for label, v in rows:
+        table.add_row(
+            label,
+            f"{v.ratio:.4f}",
+            f"{v.hit_tokens:,}",
+            f"{v.total_tokens:,}",
+            f"{v.hit_requests:,}",
+            f"{v.total_requests:,}",
+        )
+    return table
+
+
+@click.command("ceilings")
+@click.argument("trace", type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--min-sessions",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Sessions through a prefix for it to count as shared.",
+)
+@click.option(
+    "--capacity",
+    default=None,
+    help="Comma-separated LRU cache sizes in keys for the capacity curve, e.g. 1e6,1e7.",
+)
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per key (default: the trace's metadata, else 512).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def ceilings(
+    trace: Path, min_sessions: int, capacity: str | None, block_size: int | None, as_json: bool
+) -> None:
+    """APC ceilings of TRACE: any-session, intra-session, shared-prefix, LRU capacities."""
+    caps = _capacities(capacity)
+    try:
+        result = compute_ceilings(
+            trace, block_size=block_size, min_sessions=min_sessions, capacities=caps
+        )
+    except KvrouteError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    console = Console()
+    console.print(_table(result, trace.name))
+    r = result.reuse
+    hits = max(r.intra + r.cross + r.shared, 1)
+    console.print(
+        "any-session hit tokens by reuse: "
+        f"intra {r.intra:,} ({r.intra / hits:.1%}), cross {r.cross:,} ({r.cross / hits:.1%}), "
+        f"shared {r.shared:,} ({r.shared / hits:.1%})",
+        highlight=False,
+    )

@@ -1,0 +1,340 @@
+"""The cluster simulator: replay a trace through simulated vLLM engines behind the very
+Router that runs live, under any policy, dispatch mode and seed (``docs/simulator.md``).
+
+>>> import kvroute.sim as ks
+>>> r = ks.simulate("trace.parquet", instances=8, policy="unified", mode="thinktime")
+>>> r.summary["ttft"]["p90"], r.summary["apc"]          # doctest: +SKIP
+>>> r.write("out/")                                      # records, instances, summary
+
+:func:`simulate` runs one configuration, :func:`sweep` many (policies x modes x seeds x
+parameter grids x rates, in parallel on every core), :func:`sustainable_rate` bisects the
+highest Poisson session rate that meets TTFT/TPOT p90 SLOs. ``capped`` is accepted as a
+policy: ``lmetric`` on the trace capped at ``cap_turns`` turns per session (semantics §3).
+The engine model runs in Rust without the GIL; Ctrl-C stops a run cleanly
+(``KeyboardInterrupt``). Stateless; safe to call from several threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from kvroute import _core
+from kvroute.errors import InvalidArgumentError, UnknownPolicyError
+from kvroute.sim_run import RunSpec, SimResult, execute
+from kvroute.trace import read_trace
+from kvroute.trace_ops import cap_sessions
+
+DEFAULT_PRESET = "h20-qwen3-coder-30b-a3b"
+MODES = ("tracets", "thinktime", "poisson")
+#: The study's five arms (``capped`` = lmetric on the turn-capped trace).
+STUDY_POLICIES = ("lmetric", "load_only", "sticky", "unified", "capped")
+#: Which policies read each parameter (grids only multiply those).
+PARAM_POLICIES = {
+    "overload_factor": ("unified",),
+    "hit_ratio_gate": ("unified",),
+    "cache_threshold": ("sglang_cache_aware",),
+    "balance_abs": ("sglang_cache_aware",),
+    "balance_rel": ("sglang_cache_aware",),
+    "overlap_weight": ("dynamo_cost",),
+    "temperature": ("dynamo_cost",),
+}
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "MODES",
+    "STUDY_POLICIES",
+    "RateResult",
+    "RunSpec",
+    "SimResult",
+    "engine_params",
+    "presets",
+    "resolve_policies",
+    "simulate",
+    "sustainable_rate",
+    "sweep",
+]
+
+
+def presets() -> list[str]:
+    """Names of the engine presets."""
+    return list(_core.engine_presets())
+
+
+def engine_params(preset: str = DEFAULT_PRESET, **overrides: float) -> dict[str, float]:
+    """Every engine parameter of ``preset`` with ``overrides`` (KV capacity derived)."""
+    return dict(_core.engine_params(preset, overrides))
+
+
+def resolve_policies(policies: str | Iterable[str]) -> list[str]:
+    """``"all"`` (every core policy), ``"study"`` (the study's five), a comma list or names."""
+    names = [policies] if isinstance(policies, str) else list(policies)
+    out: list[str] = []
+    for name in (n.strip() for item in names for n in item.split(",")):
+        expanded = {"all": _core.policies(), "study": list(STUDY_POLICIES)}.get(name, [name])
+        for p in expanded:
+            if p != "capped" and p not in _core.policies():
+                known = ", ".join([*_core.policies(), "capped", "all", "study"])
+                raise UnknownPolicyError(f"unknown policy {p!r}; known: {known}")
+            if p not in out:
+                out.append(p)
+    return out
+
+
+@dataclass
+class _Setup:
+    table: pa.Table
+    capped: pa.Table | None
+    base: dict[str, Any]
+    cfg: dict[str, Any]
+
+
+def _setup(
+    trace: Any,
+    *,
+    instances: int,
+    preset: str,
+    engine: Mapping[str, float] | None,
+    router_cache: str | int | None,
+    sample_interval: float,
+    closed_form: bool,
+    cap_turns: int,
+    infer_sessions: bool,
+    need_capped: bool,
+) -> _Setup:
+    table = (
+        read_trace(trace, infer_sessions=infer_sessions)
+        if not isinstance(trace, pa.Table)
+        else read_trace(trace)
+    )
+    name = str(trace) if isinstance(trace, str | Path) else "<table>"
+    base = {"trace": name, "cap_turns": cap_turns}
+    cfg = {
+        "instances": instances,
+        "preset": preset,
+        "engine": dict(engine or {}),
+        "router_cache": router_cache,
+        "sample_interval": sample_interval,
+        "closed_form": closed_form,
+    }
+    _core.engine_params(preset, dict(engine or {}))  # fail early, naming the parameter
+    return _Setup(table, cap_sessions(table, cap_turns) if need_capped else None, base, cfg)
+
+
+def _job(s: _Setup, spec: RunSpec) -> tuple[int, RunSpec, dict[str, Any]]:
+    if spec.mode not in MODES:
+        raise InvalidArgumentError(
+            f"unknown dispatch mode {spec.mode!r}; known: {', '.join(MODES)}"
+        )
+    policy = "lmetric" if spec.policy == "capped" else spec.policy
+    cfg = {**s.cfg, "policy": policy, "mode": spec.mode, "rate": spec.rate, "seed": spec.seed}
+    cfg["params"] = dict(spec.params)
+    cfg["trace"] = 1 if spec.policy == "capped" else 0
+    return cfg["trace"], spec, cfg
+
+
+def _traces(s: _Setup) -> list[pa.Table]:
+    return [s.table] if s.capped is None else [s.table, s.capped]
+
+
+def simulate(
+    trace: Any,
+    *,
+    instances: int = 8,
+    policy: str = "unified",
+    mode: str = "thinktime",
+    rate: float | None = None,
+    seed: int = 0,
+    preset: str = DEFAULT_PRESET,
+    engine: Mapping[str, float] | None = None,
+    router_cache: str | int | None = "engine",
+    sample_interval: float = 1.0,
+    closed_form: bool = True,
+    cap_turns: int = 8,
+    infer_sessions: bool = False,
+    **params: float,
+) -> SimResult:
+    """One run. ``trace``: any :func:`kvroute.trace.read_trace` source. ``mode``: tracets,
+    thinktime or poisson (with ``rate`` sessions/s). ``engine``: parameter overrides of the
+    preset (``kvroute.sim.engine_params()`` lists them). ``router_cache``: the router's
+    cache model size in keys per instance (``"engine"``: the engine's KV pool; None:
+    unbounded). ``params``: policy parameters (e.g. ``overload_factor=1.3``)."""
+    return sweep(
+        trace,
+        policies=[policy],
+        modes=[mode],
+        seeds=[seed],
+        rates=[rate] if rate is not None else None,
+        grid={k: [v] for k, v in params.items()},
+        instances=instances,
+        preset=preset,
+        engine=engine,
+        router_cache=router_cache,
+        sample_interval=sample_interval,
+        closed_form=closed_form,
+        cap_turns=cap_turns,
+        infer_sessions=infer_sessions,
+    )[0]
+
+
+def sweep_specs(
+    policies: Sequence[str],
+    modes: Sequence[str],
+    seeds: Sequence[int],
+    rates: Sequence[float] | None,
+    grid: Mapping[str, Sequence[float]] | None,
+) -> list[RunSpec]:
+    """The runs of a sweep: a grid parameter multiplies only the policies that read it."""
+    grid = dict(grid or {})
+    for k in grid:
+        if k not in PARAM_POLICIES:
+            raise InvalidArgumentError(
+                f"unknown policy parameter {k!r}; known: {', '.join(PARAM_POLICIES)}"
+            )
+    specs = []
+    for policy, mode, seed in itertools.product(policies, modes, seeds):
+        names = [k for k in grid if policy in PARAM_POLICIES[k] or len(grid[k]) == 1]
+        combos = itertools.product(*(grid[k] for k in names)) if names else [()]
+        mode_rates: Sequence[float | None] = (rates or [None]) if mode == "poisson" else [None]
+        for values, rate in itertools.product(list(combos), mode_rates):
+            params = {
+                k: float(v)
+                for k, v in zip(names, values, strict=True)
+                if policy in PARAM_POLICIES[k]
+            }
+            specs.append(RunSpec(policy, mode, rate, seed, params))
+    return specs
+
+
+def sweep(
+    trace: Any,
+    *,
+    policies: str | Iterable[str] = "all",
+    modes: Sequence[str] = ("tracets", "thinktime"),
+    seeds: Sequence[int] = (0,),
+    rates: Sequence[float] | None = None,
+    grid: Mapping[str, Sequence[float]] | None = None,
+    instances: int = 8,
+    preset: str = DEFAULT_PRESET,
+    engine: Mapping[str, float] | None = None,
+    router_cache: str | int | None = "engine",
+    sample_interval: float = 1.0,
+    closed_form: bool = True,
+    cap_turns: int = 8,
+    infer_sessions: bool = False,
+) -> list[SimResult]:
+    """Every combination of ``policies`` x ``modes`` x ``seeds`` (x ``rates`` for poisson,
+    x ``grid`` values for the policies that read them), run in parallel."""
+    names = resolve_policies(policies)
+    specs = sweep_specs(names, modes, seeds, rates, grid)
+    s = _setup(
+        trace,
+        instances=instances,
+        preset=preset,
+        engine=engine,
+        router_cache=router_cache,
+        sample_interval=sample_interval,
+        closed_form=closed_form,
+        cap_turns=cap_turns,
+        infer_sessions=infer_sessions,
+        need_capped="capped" in names,
+    )
+    return execute(_traces(s), [_job(s, spec) for spec in specs], s.base)
+
+
+@dataclass
+class RateResult:
+    """The sustainable rate of one policy: ``rate`` passed, ``upper`` failed (sessions/s);
+    ``probes`` are ``(rate, ttft_p90, tpot_p90, ok)`` in the order run."""
+
+    policy: str
+    rate: float
+    upper: float | None
+    probes: list[tuple[float, float | None, float | None, bool]] = field(default_factory=list)
+
+
+def sustainable_rate(
+    trace: Any,
+    *,
+    policies: str | Iterable[str] = "study",
+    slo_ttft_p90: float = 10.0,
+    slo_tpot_p90: float = 0.05,
+    start: float | None = None,
+    rel_tol: float = 0.05,
+    max_rounds: int = 20,
+    seed: int = 0,
+    instances: int = 8,
+    preset: str = DEFAULT_PRESET,
+    engine: Mapping[str, float] | None = None,
+    router_cache: str | int | None = "engine",
+    cap_turns: int = 8,
+    infer_sessions: bool = False,
+    params: Mapping[str, float] | None = None,
+) -> list[RateResult]:
+    """Per policy, the highest Poisson session rate whose TTFT p90 and TPOT p90 (seconds)
+    stay within the SLOs: bracketed by doubling/halving from ``start`` (default: the trace's
+    own session rate), then bisected until ``upper / rate - 1 <= rel_tol``. Each round runs
+    every policy's probe in parallel. ``params``: policy parameters (e.g. unified's
+    ``overload_factor``), given to the policies that read them."""
+    names = resolve_policies(policies)
+    s = _setup(
+        trace,
+        instances=instances,
+        preset=preset,
+        engine=engine,
+        router_cache=router_cache,
+        sample_interval=0.0,
+        closed_form=True,
+        cap_turns=cap_turns,
+        infer_sessions=infer_sessions,
+        need_capped="capped" in names,
+    )
+    if start is None:
+        ts = s.table.column("timestamp").to_numpy()
+        sessions = len(s.table.column("session_id").unique())
+        start = sessions / max(float(ts.max() - ts.min()), 1.0)
+    state = {p: RateResult(p, 0.0, None) for p in names}
+    probe = dict.fromkeys(names, float(start))
+    for _ in range(max_rounds):
+        todo = [p for p in names if probe[p] > 0]
+        if not todo:
+            break
+        specs = [RunSpec(p, "poisson", probe[p], seed, _own(p, params)) for p in todo]
+        for spec, res in zip(
+            specs, execute(_traces(s), [_job(s, sp) for sp in specs], s.base), strict=True
+        ):
+            p, rate = spec.policy, float(spec.rate or 0.0)
+            ttft, tpot = res.summary["ttft"]["p90"], res.summary["tpot"]["p90"]
+            ok = (
+                ttft is not None and ttft <= slo_ttft_p90 and (tpot is None or tpot <= slo_tpot_p90)
+            )
+            st = state[p]
+            st.probes.append((rate, ttft, tpot, ok))
+            if ok:
+                st.rate = max(st.rate, rate)
+            else:
+                st.upper = rate if st.upper is None else min(st.upper, rate)
+            probe[p] = _next_probe(st, rel_tol, float(start))
+    return [state[p] for p in names]
+
+
+def _own(policy: str, params: Mapping[str, float] | None) -> dict[str, float]:
+    """The parameters ``policy`` reads."""
+    return {k: float(v) for k, v in (params or {}).items() if policy in PARAM_POLICIES.get(k, ())}
+
+
+def _next_probe(st: RateResult, rel_tol: float, start: float) -> float:
+    """Double while nothing failed, halve while nothing passed, then bisect; 0 = done."""
+    if st.upper is None:
+        return st.rate * 2.0
+    if st.rate == 0.0:
+        low = st.upper / 2.0
+        return low if low > start * 1e-4 else 0.0
+    if st.upper / st.rate - 1.0 <= rel_tol:
+        return 0.0
+    return (st.rate + st.upper) / 2.0

@@ -1,0 +1,321 @@
+//! One simulation run: N engines behind one [`Router`], driven by a trace and a dispatch
+//! mode, as an event loop over a binary heap of (time, sequence) events.
+//!
+//! The router sees what a proxy would: `route` when a request is sent, `first_token` when
+//! its first token comes back, `finish` when it ends. Engines only change at their segment
+//! ends and when a request arrives, so an engine has one live heap entry at a time (stale
+//! ones carry an old version and are skipped). Sessions are launched lazily from a cursor,
+//! so the heap holds O(engines + sessions in flight) entries. Deterministic for a config:
+//! ties in time break by insertion order. O((events) · log(heap) + Σ keys + segments ·
+//! running) time; memory O(requests) for the records plus the engines' state.
+
+use std::borrow::Cow;
+use std::cmp::Ordering as CmpOrdering;
+use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use super::dispatch::{check, launch_times, next_send, Mode};
+use super::engine::{Engine, EngineEvent};
+use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
+use super::params::EngineParams;
+use super::trace::{Sessions, SimTrace};
+use crate::error::{Error, Result};
+use crate::policy::{Policy, PolicyParams};
+use crate::router::{Id, Router, RouterConfig};
+
+/// How big the router's cache model is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterCache {
+    /// No bound.
+    Unbounded,
+    /// As many keys as one engine's KV pool holds (the default).
+    MatchEngine,
+    /// This many keys per instance.
+    Blocks(usize),
+}
+
+/// One run's settings.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub instances: usize,
+    pub policy: Policy,
+    pub params: PolicyParams,
+    pub mode: Mode,
+    /// Seeds the Poisson arrivals and the router's RNG.
+    pub seed: u64,
+    pub engine: EngineParams,
+    pub router_cache: RouterCache,
+    /// Seconds between time-series samples; 0 = none.
+    pub sample_interval: f64,
+    /// Advance decode-only stretches in closed form (true) or step by step (validation).
+    pub closed_form: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Launch,
+    Send(u32),
+    Segment(u32, u32),
+    Sample,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Ev {
+    t: f64,
+    seq: u64,
+    kind: Kind,
+}
+
+impl PartialEq for Ev {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == CmpOrdering::Equal
+    }
+}
+impl Eq for Ev {}
+impl PartialOrd for Ev {
+    fn partial_cmp(&self, o: &Self) -> Option<CmpOrdering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Ev {
+    /// Reversed: the heap pops the earliest, then the first pushed.
+    fn cmp(&self, o: &Self) -> CmpOrdering {
+        o.t.total_cmp(&self.t).then(o.seq.cmp(&self.seq))
+    }
+}
+
+struct Loop<'a, 't> {
+    trace: &'a SimTrace<'t>,
+    sessions: &'a Sessions,
+    mode: Mode,
+    router: Router,
+    engines: Vec<Engine<'t>>,
+    versions: Vec<u32>,
+    heap: BinaryHeap<Ev>,
+    seq: u64,
+    pos: Vec<u32>,
+    rec: Records,
+    series: Series,
+    stats: RunStats,
+    in_flight: u64,
+    events: Vec<EngineEvent>,
+}
+
+/// Run one simulation. `cancel` is polled every few thousand events; a cancelled run
+/// returns `Ok(None)`.
+pub fn run(
+    trace: &SimTrace<'_>,
+    sessions: &Sessions,
+    cfg: &RunConfig,
+    cancel: &AtomicBool,
+) -> Result<Option<SimOutput>> {
+    let started = Instant::now();
+    trace.validate()?;
+    check(cfg.mode, trace)?;
+    if cfg.instances == 0 {
+        return Err(Error::InvalidArgument("instances must be positive".into()));
+    }
+    if !(cfg.sample_interval >= 0.0 && cfg.sample_interval.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "sample_interval must be >= 0, got {}",
+            cfg.sample_interval
+        )));
+    }
+    let mut ep = cfg.engine.clone();
+    ep.block_size = trace.block_size;
+    let mut engine = Engine::new(ep.clone(), false)?;
+    engine.set_closed_form(cfg.closed_form);
+    let cache = match cfg.router_cache {
+        RouterCache::Unbounded => None,
+        RouterCache::MatchEngine => Some(((ep.capacity_tokens() / trace.block_size) as usize).max(1)),
+        RouterCache::Blocks(n) => Some(n),
+    };
+    let router = Router::new(
+        cfg.instances,
+        cfg.policy,
+        RouterConfig {
+            block_size: trace.block_size,
+            cache_capacity_blocks: cache,
+            seed: cfg.seed,
+            params: cfg.params.clone(),
+        },
+    )?;
+    let launches = launch_times(cfg.mode, trace, sessions, cfg.seed);
+    let mut lp = Loop {
+        trace,
+        sessions,
+        mode: cfg.mode,
+        router,
+        engines: vec![engine; cfg.instances],
+        versions: vec![0; cfg.instances],
+        heap: BinaryHeap::new(),
+        seq: 0,
+        pos: vec![0; sessions.len()],
+        rec: Records::new(trace.len()),
+        series: Series::default(),
+        stats: RunStats { kv_total_blocks: ep.total_blocks(), ..RunStats::default() },
+        in_flight: 0,
+        events: Vec::new(),
+    };
+    let mut cursor = 0usize;
+    if let Some(&t) = launches.first() {
+        lp.push(t, Kind::Launch);
+    }
+    if cfg.sample_interval > 0.0 {
+        lp.push(0.0, Kind::Sample);
+    }
+    let mut samples = 0u64;
+    while let Some(ev) = lp.heap.pop() {
+        lp.stats.events += 1;
+        if lp.stats.events % 4096 == 0 && cancel.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        match ev.kind {
+            Kind::Launch => {
+                let s = sessions.launch[cursor];
+                cursor += 1;
+                if let Some(&t) = launches.get(cursor) {
+                    lp.push(t, Kind::Launch);
+                }
+                lp.send(s, ev.t)?;
+            }
+            Kind::Send(s) => lp.send(s, ev.t)?,
+            Kind::Segment(e, v) if v == lp.versions[e as usize] => lp.segment(e, ev.t),
+            Kind::Segment(..) => {}
+            Kind::Sample => {
+                lp.sample(ev.t);
+                samples += 1;
+                if !lp.heap.is_empty() {
+                    lp.push(samples as f64 * cfg.sample_interval, Kind::Sample);
+                }
+            }
+        }
+    }
+    let mut st = lp.stats;
+    for e in &lp.engines {
+        let c = &e.stats().counters;
+        st.engine_steps += c.steps;
+        st.segments += c.segments;
+        st.preemptions += c.preemptions;
+        st.evictions += e.kv().evictions();
+    }
+    st.router_in_flight = lp.router.in_flight() as u64;
+    st.router_counters_sum = lp
+        .router
+        .state()
+        .iter()
+        .map(|s| {
+            s.load.num_requests
+                + s.load.ongoing_tokens
+                + s.load.pending_prefill_tokens
+                + s.load.ongoing_decode_tokens
+        })
+        .sum();
+    st.wall_s = started.elapsed().as_secs_f64();
+    Ok(Some(SimOutput { records: lp.rec, series: lp.series, stats: st }))
+}
+
+impl Loop<'_, '_> {
+    fn push(&mut self, t: f64, kind: Kind) {
+        self.seq += 1;
+        self.heap.push(Ev { t, seq: self.seq, kind });
+    }
+
+    /// Send session `s`'s next turn at `t`.
+    fn send(&mut self, s: u32, t: f64) -> Result<()> {
+        let row = self.sessions.rows_of(s)[self.pos[s as usize] as usize];
+        let i = row as usize;
+        let keys = self.trace.keys_of(i);
+        let input = self.trace.input_length[i] as u64;
+        let output = self.trace.output_length[i] as u64;
+        let d = self.router.route(Id::Int(i64::from(row)), keys, input, Some(&Id::Int(i64::from(s))))?;
+        self.rec.instance[i] = d.instance as i32;
+        self.rec.send[i] = t;
+        self.rec.estimated_hit_tokens[i] = d.hit_tokens as i64;
+        self.in_flight += 1;
+        self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight);
+        let e = d.instance;
+        let before = self.engines[e].segment_end();
+        match self.engines[e].submit(u64::from(row), Cow::Borrowed(keys), input, output, t) {
+            Ok(_) => {
+                let after = self.engines[e].segment_end();
+                if after != before {
+                    self.schedule_engine(e);
+                }
+            }
+            Err(_) => {
+                self.rec.error[i] = EXCEEDS_KV;
+                self.rec.finish[i] = t;
+                self.stats.rejected += 1;
+                self.router.finish(&Id::Int(i64::from(row)));
+                self.turn_done(row, t);
+            }
+        }
+        Ok(())
+    }
+
+    fn schedule_engine(&mut self, e: usize) {
+        self.versions[e] = self.versions[e].wrapping_add(1);
+        if let Some(t) = self.engines[e].segment_end() {
+            self.push(t, Kind::Segment(e as u32, self.versions[e]));
+        }
+    }
+
+    fn segment(&mut self, e: u32, _t: f64) {
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        self.engines[e as usize].complete_segment(&mut events);
+        for ev in &events {
+            match *ev {
+                EngineEvent::FirstToken { tag, time, .. } => {
+                    self.rec.first_token[tag as usize] = time;
+                    self.router.first_token(&Id::Int(tag as i64));
+                }
+                EngineEvent::Finish { tag, time, info } => {
+                    let i = tag as usize;
+                    self.rec.finish[i] = time;
+                    self.rec.output_length[i] = info.generated as i64;
+                    self.rec.cached_tokens[i] = info.cached_tokens as i64;
+                    self.rec.queue_wait[i] = info.queue_wait;
+                    self.rec.preemptions[i] = info.preemptions as i32;
+                    self.rec.decode_overlaps_prefill[i] = info.overlap;
+                    self.rec.error[i] = OK;
+                    self.stats.finished += 1;
+                    self.router.finish(&Id::Int(tag as i64));
+                    self.turn_done(tag as u32, time);
+                }
+                EngineEvent::Tokens { .. } => {}
+            }
+        }
+        self.events = events;
+        self.schedule_engine(e as usize);
+    }
+
+    /// A turn ended at `t`: send the session's next one per the dispatch mode.
+    fn turn_done(&mut self, row: u32, t: f64) {
+        self.in_flight -= 1;
+        self.stats.makespan = self.stats.makespan.max(t);
+        let s = self.trace.session[row as usize];
+        let p = &mut self.pos[s as usize];
+        *p += 1;
+        if let Some(&next) = self.sessions.rows_of(s).get(*p as usize) {
+            let at = next_send(self.mode, self.trace, self.sessions, next, t);
+            self.push(at, Kind::Send(s));
+        }
+    }
+
+    fn sample(&mut self, t: f64) {
+        for (i, e) in self.engines.iter().enumerate() {
+            let (running, waiting) = e.load();
+            let kv = e.kv();
+            let s = &mut self.series;
+            s.time.push(t);
+            s.instance.push(i as i32);
+            s.running.push(running as i32);
+            s.waiting.push(waiting as i32);
+            s.kv_used_blocks.push(kv.pinned() as i64);
+            s.kv_cached_blocks.push(kv.cached() as i64);
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Tests of the cluster loop: conservation, determinism, closed form vs steps, dispatch
+//! modes, cancellation.
+
+use std::sync::atomic::AtomicBool;
+
+use super::*;
+use crate::policy::{Policy, PolicyParams};
+
+struct Owned {
+    ts: Vec<f64>,
+    sess: Vec<u32>,
+    turn: Vec<i32>,
+    inp: Vec<i64>,
+    out: Vec<i64>,
+    off: Vec<i64>,
+    keys: Vec<u64>,
+    ttp: Vec<f64>,
+}
+
+/// `sessions` sessions of `turns` growing turns each, starting 0.5 s apart.
+fn synthetic(sessions: u32, turns: i32) -> Owned {
+    let mut o = Owned {
+        ts: vec![],
+        sess: vec![],
+        turn: vec![],
+        inp: vec![],
+        out: vec![],
+        off: vec![0],
+        keys: vec![],
+        ttp: vec![],
+    };
+    for s in 0..sessions {
+        for t in 0..turns {
+            o.ts.push(f64::from(s) * 0.5 + f64::from(t) * 3.0);
+            o.sess.push(s);
+            o.turn.push(t);
+            let blocks = 4 + 3 * t as u64 + u64::from(s % 3);
+            o.inp.push(blocks as i64 * 512 - 100);
+            o.out.push(30 + i64::from(s % 5) * 20);
+            for b in 0..blocks {
+                o.keys.push(u64::from(s) << 32 | b);
+            }
+            o.off.push(o.keys.len() as i64);
+            o.ttp.push(if t == 0 { f64::NAN } else { 0.5 + f64::from(s % 4) });
+        }
+    }
+    // Stable timestamp order, as traces come.
+    let mut idx: Vec<usize> = (0..o.ts.len()).collect();
+    idx.sort_by(|&a, &b| o.ts[a].total_cmp(&o.ts[b]));
+    let mut r = Owned {
+        ts: vec![],
+        sess: vec![],
+        turn: vec![],
+        inp: vec![],
+        out: vec![],
+        off: vec![0],
+        keys: vec![],
+        ttp: vec![],
+    };
+    for i in idx {
+        r.ts.push(o.ts[i]);
+        r.sess.push(o.sess[i]);
+        r.turn.push(o.turn[i]);
+        r.inp.push(o.inp[i]);
+        r.out.push(o.out[i]);
+        r.ttp.push(o.ttp[i]);
+        r.keys.extend_from_slice(&o.keys[o.off[i] as usize..o.off[i + 1] as usize]);
+        r.off.push(r.keys.len() as i64);
+    }
+    r
+}
+
+fn view(o: &Owned) -> SimTrace<'_> {
+    SimTrace {
+        timestamp: &o.ts,
+        session: &o.sess,
+        turn: &o.turn,
+        input_length: &o.inp,
+        output_length: &o.out,
+        offsets: &o.off,
+        keys: &o.keys,
+        ttp: Some(&o.ttp),
+        block_size: 512,
+    }
+}
+
+fn config(policy: Policy, mode: Mode) -> RunConfig {
+    RunConfig {
+        instances: 4,
+        policy,
+        params: PolicyParams::default(),
+        mode,
+        seed: 7,
+        engine: EngineParams::preset("h20-qwen3-coder-30b-a3b").unwrap(),
+        router_cache: RouterCache::MatchEngine,
+        sample_interval: 1.0,
+        closed_form: true,
+    }
+}
+
+fn simulate(o: &Owned, cfg: &RunConfig) -> SimOutput {
+    let p = PreparedTrace::new(view(o)).unwrap();
+    run(&p.trace, &p.sessions, cfg, &AtomicBool::new(false)).unwrap().unwrap()
+}
+
+#[test]
+fn every_request_finishes_once_and_router_counters_end_at_zero() {
+    let o = synthetic(12, 5);
+    for policy in Policy::ALL {
+        for mode in [Mode::Tracets, Mode::Thinktime, Mode::Poisson { rate: 2.0 }] {
+            let out = simulate(&o, &config(policy, mode));
+            let st = &out.stats;
+            assert_eq!(st.finished, 60, "{policy:?} {mode:?}");
+            assert_eq!((st.router_in_flight, st.router_counters_sum), (0, 0));
+            let r = &out.records;
+            assert!(r.error.iter().all(|&e| e == output::OK));
+            for i in 0..60 {
+                assert!(r.send[i] <= r.first_token[i] && r.first_token[i] <= r.finish[i]);
+                assert_eq!(r.output_length[i], o.out[i]);
+                assert!((0..4).contains(&r.instance[i]));
+            }
+            assert!(!out.series.time.is_empty());
+        }
+    }
+}
+
+#[test]
+fn runs_are_deterministic_and_closed_form_matches_steps() {
+    let o = synthetic(10, 4);
+    let cfg = config(Policy::Random, Mode::Poisson { rate: 1.5 });
+    let a = simulate(&o, &cfg);
+    let b = simulate(&o, &cfg);
+    assert_eq!(a.records.finish, b.records.finish);
+    assert_eq!(a.records.instance, b.records.instance);
+    let c = simulate(&o, &RunConfig { closed_form: false, ..cfg.clone() });
+    assert_eq!(a.records.instance, c.records.instance);
+    for (x, y) in a.records.finish.iter().zip(&c.records.finish) {
+        assert!((x - y).abs() < 1e-6, "{x} {y}");
+    }
+    assert!(c.stats.segments > a.stats.segments);
+    let d = simulate(&o, &RunConfig { seed: 8, ..cfg });
+    assert_ne!(a.records.send, d.records.send);
+}
+
+#[test]
+fn dispatch_modes_follow_the_rules() {
+    let o = synthetic(6, 4);
+    let sessions = Sessions::new(&view(&o)).unwrap();
+    for mode in [Mode::Tracets, Mode::Thinktime, Mode::Poisson { rate: 0.5 }] {
+        let out = simulate(&o, &config(Policy::Unified, mode));
+        let r = &out.records;
+        let mut firsts = Vec::new();
+        for s in 0..6u32 {
+            let rows = sessions.rows_of(s);
+            firsts.push(r.send[rows[0] as usize]);
+            for w in rows.windows(2) {
+                let (prev, next) = (w[0] as usize, w[1] as usize);
+                assert!(r.send[next] >= r.finish[prev], "turns are sequential");
+                let want = match mode {
+                    Mode::Tracets => o.ts[next].max(r.finish[prev]),
+                    _ => r.finish[prev] + o.ttp[next],
+                };
+                assert!((r.send[next] - want).abs() < 1e-9, "{mode:?}");
+            }
+            if mode == Mode::Tracets || mode == Mode::Thinktime {
+                assert_eq!(r.send[rows[0] as usize], o.ts[rows[0] as usize]);
+            }
+        }
+        if let Mode::Poisson { .. } = mode {
+            assert!(firsts.windows(2).all(|w| w[0] < w[1]), "sessions start in trace order");
+        }
+    }
+    let mut no_ttp = view(&o);
+    no_ttp.ttp = None;
+    let p = PreparedTrace::new(no_ttp).unwrap();
+    let err = run(&p.trace, &p.sessions, &config(Policy::Lmetric, Mode::Thinktime), &AtomicBool::new(false))
+        .unwrap_err();
+    assert!(err.to_string().contains("time_to_parent_chat"));
+    assert!(Mode::from_name("poisson", None).is_err());
+    assert!(Mode::from_name("burst", None).unwrap_err().to_string().contains("tracets"));
+}
+
+#[test]
+fn a_cancelled_run_stops() {
+    let o = synthetic(40, 6);
+    let p = PreparedTrace::new(view(&o)).unwrap();
+    let cfg = RunConfig { sample_interval: 0.001, ..config(Policy::Lmetric, Mode::Tracets) };
+    assert!(run(&p.trace, &p.sessions, &cfg, &AtomicBool::new(true)).unwrap().is_none());
+    let many = run_many(
+        std::slice::from_ref(&p),
+        &[(0, cfg.clone()), (0, config(Policy::Sticky, Mode::Thinktime))],
+        &AtomicBool::new(false),
+    );
+    assert!(many.iter().all(|r| matches!(r, Ok(Some(_)))));
+}
