@@ -68,12 +68,12 @@ pub struct ClusterCache {
 impl ClusterCache {
     /// `instances` empty caches of `capacity` keys each (`None`: unbounded).
     pub fn new(instances: usize, capacity: Option<usize>) -> Self {
-        Self { index: FxHashMap::default(), lrus: vec![Lru::default(); instances], capacity }
+        Self { index: FxHashMap::default(), lrus: vec![Lru::new(capacity.is_some()); instances], capacity }
     }
 
     /// Add one empty instance cache; returns its index.
     pub fn add_instance(&mut self) -> usize {
-        self.lrus.push(Lru::default());
+        self.lrus.push(Lru::new(self.capacity.is_some()));
         self.lrus.len() - 1
     }
 

@@ -55,45 +55,70 @@ pub fn hit_tokens(matched: u64, block_size: u64, input_length: u64) -> u64 {
 }
 
 /// Prefix-chained keys of `tokens`, one per `block_size` tokens (the last block may be partial).
+/// All tokens are range-checked first (one pass), then hashed block by block.
 ///
 /// # Panics
 /// When `block_size` is zero (callers validate it first).
 pub fn block_hashes<T: TokenId>(tokens: &[T], block_size: usize) -> Result<Vec<u64>, TokenOutOfRange> {
     assert!(block_size > 0, "block_size must be positive");
-    let mut keys = Vec::with_capacity(num_blocks(tokens.len(), block_size));
-    let mut buf: Vec<u8> = Vec::with_capacity(block_size * 4);
+    check_range(tokens)?;
+    let mut buf: Vec<u32> = Vec::with_capacity(block_size);
     let mut prev = ROOT_SEED;
-    for (b, block) in tokens.chunks(block_size).enumerate() {
-        buf.clear();
-        for (j, &t) in block.iter().enumerate() {
-            let v = t.to_u32().ok_or(TokenOutOfRange { position: b * block_size + j, value: t.to_i128() })?;
-            buf.extend_from_slice(&v.to_le_bytes());
-        }
-        prev = xxh3_64_with_seed(&buf, prev);
-        keys.push(prev);
-    }
-    Ok(keys)
+    Ok(tokens
+        .chunks(block_size)
+        .map(|block| {
+            buf.clear();
+            buf.extend(block.iter().map(|t| t.to_u32().unwrap_or_default()));
+            prev = hash_block(&buf, prev);
+            prev
+        })
+        .collect())
 }
 
-/// Chain keys over already little-endian `u32` token bytes; the fast path for `u32` input.
+/// `i32` token ids: checked for negatives in one pass, then hashed in place as `u32`.
+pub fn block_hashes_i32(tokens: &[i32], block_size: usize) -> Result<Vec<u64>, TokenOutOfRange> {
+    check_range(tokens)?;
+    // SAFETY: i32 and u32 have the same size and alignment, and every value is non-negative,
+    // so each reads as the same number.
+    let as_u32 = unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u32>(), tokens.len()) };
+    Ok(block_hashes_u32(as_u32, block_size))
+}
+
+/// Keys of `u32` token ids (no check needed): the fastest path.
+///
+/// # Panics
+/// When `block_size` is zero (callers validate it first).
 pub fn block_hashes_u32(tokens: &[u32], block_size: usize) -> Vec<u64> {
     assert!(block_size > 0, "block_size must be positive");
-    if cfg!(target_endian = "big") {
-        return block_hashes(tokens, block_size).unwrap_or_default();
-    }
     let mut prev = ROOT_SEED;
     tokens
         .chunks(block_size)
         .map(|block| {
-            // SAFETY: a `u32` slice is valid as bytes of four times its length; on a
-            // little-endian target those bytes are exactly the little-endian encoding.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block))
-            };
-            prev = xxh3_64_with_seed(bytes, prev);
+            prev = hash_block(block, prev);
             prev
         })
         .collect()
+}
+
+fn check_range<T: TokenId>(tokens: &[T]) -> Result<(), TokenOutOfRange> {
+    match tokens.iter().position(|t| t.to_u32().is_none()) {
+        None => Ok(()),
+        Some(position) => Err(TokenOutOfRange { position, value: tokens[position].to_i128() }),
+    }
+}
+
+/// XXH3 of one block's token ids as little-endian `u32` bytes, seeded with the previous key.
+fn hash_block(block: &[u32], prev: u64) -> u64 {
+    if cfg!(target_endian = "little") {
+        // SAFETY: a `u32` slice is valid as bytes of four times its length; on a
+        // little-endian target those bytes are exactly the little-endian encoding.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block)) };
+        xxh3_64_with_seed(bytes, prev)
+    } else {
+        let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, prev)
+    }
 }
 
 /// Chained keys from per-block ids that are not chained yet: `key_i = H(key_{i-1}, id_i)`.
@@ -157,6 +182,8 @@ mod tests {
         let s: Vec<i32> = u.iter().map(|&x| x as i32).collect();
         assert_eq!(block_hashes(&i, 2).unwrap(), block_hashes_u32(&u, 2));
         assert_eq!(block_hashes(&s, 2).unwrap(), block_hashes_u32(&u, 2));
+        assert_eq!(block_hashes_i32(&s, 2).unwrap(), block_hashes_u32(&u, 2));
+        assert_eq!(block_hashes_i32(&[4, -1], 2).unwrap_err(), TokenOutOfRange { position: 1, value: -1 });
         let err = block_hashes(&[1i64, -3], 2).unwrap_err();
         assert_eq!(err, TokenOutOfRange { position: 1, value: -3 });
         assert!(block_hashes(&[1i64 << 33], 2).is_err());

@@ -1,34 +1,51 @@
-//! One instance's LRU order over block keys: an intrusive doubly linked list in a slab.
+//! One instance's LRU order over block keys, kept as touch timestamps.
 //!
-//! Slots are stable while a key is resident, so the cluster index can point at them.
-//! Every operation is O(1). Not synchronised: owned by [`crate::cache::ClusterCache`].
+//! Each resident key has a slot (stable while it is resident, so the cluster index can point
+//! at it) holding the key and the time it was last touched. A touch only writes that stamp:
+//! no list relinking, one cache line per key. A bounded cache also appends `(slot, stamp)`
+//! to a queue in touch order; eviction pops the queue's front, skipping entries that a later
+//! touch made stale, and the queue is compacted when stale entries outnumber live ones.
+//! The order is the same as a move-to-front list's: the latest stamp is the most recent.
+//!
+//! Touch O(1); eviction amortized O(1); `keys_mru` O(n log n). Not synchronised: owned by
+//! [`crate::cache::ClusterCache`].
 
-const NIL: u32 = u32::MAX;
+use std::collections::VecDeque;
 
-#[derive(Debug, Clone)]
-struct Node {
-    key: u64,
-    prev: u32,
-    next: u32,
-}
-
-/// LRU list of keys; the head is the most recently touched.
+/// LRU order over resident keys.
 #[derive(Debug, Clone)]
 pub struct Lru {
-    nodes: Vec<Node>,
+    keys: Vec<u64>,
+    /// Last touch per slot; 0 marks a free slot.
+    stamps: Vec<u64>,
     free: Vec<u32>,
-    head: u32,
-    tail: u32,
+    /// Touches in time order, for eviction; only kept when `evicts`.
+    queue: VecDeque<(u32, u64)>,
+    evicts: bool,
+    clock: u64,
     len: usize,
 }
 
 impl Default for Lru {
     fn default() -> Self {
-        Self { nodes: Vec::new(), free: Vec::new(), head: NIL, tail: NIL, len: 0 }
+        Self::new(true)
     }
 }
 
 impl Lru {
+    /// An empty LRU; `evicts` keeps the touch queue that [`Lru::pop_back`] needs.
+    pub fn new(evicts: bool) -> Self {
+        Self {
+            keys: Vec::new(),
+            stamps: Vec::new(),
+            free: Vec::new(),
+            queue: VecDeque::new(),
+            evicts,
+            clock: 0,
+            len: 0,
+        }
+    }
+
     /// Number of resident keys.
     pub fn len(&self) -> usize {
         self.len
@@ -39,80 +56,72 @@ impl Lru {
         self.len == 0
     }
 
-    /// Insert `key` at the head; returns its slot.
+    /// Insert `key` as the most recent; returns its slot.
     pub fn push_front(&mut self, key: u64) -> u32 {
-        let node = Node { key, prev: NIL, next: self.head };
         let slot = match self.free.pop() {
             Some(s) => {
-                self.nodes[s as usize] = node;
+                self.keys[s as usize] = key;
                 s
             }
             None => {
-                self.nodes.push(node);
-                u32::try_from(self.nodes.len() - 1).expect("more than 2^32 resident keys")
+                self.keys.push(key);
+                self.stamps.push(0);
+                u32::try_from(self.keys.len() - 1).expect("more than 2^32 resident keys")
             }
         };
-        self.link_head(slot);
         self.len += 1;
+        self.move_to_front(slot);
         slot
     }
 
-    /// Move the key at `slot` to the head.
+    /// Make the key at `slot` the most recent.
     pub fn move_to_front(&mut self, slot: u32) {
-        if self.head == slot {
-            return;
+        self.clock += 1;
+        self.stamps[slot as usize] = self.clock;
+        if self.evicts {
+            self.queue.push_back((slot, self.clock));
+            if self.queue.len() > 2 * self.len + 1024 {
+                self.compact();
+            }
         }
-        self.unlink(slot);
-        self.nodes[slot as usize].prev = NIL;
-        self.nodes[slot as usize].next = self.head;
-        self.link_head(slot);
     }
 
     /// Remove and return the least recently touched key.
+    ///
+    /// # Panics
+    /// On an LRU made with `evicts = false`.
     pub fn pop_back(&mut self) -> Option<u64> {
-        if self.tail == NIL {
-            return None;
+        assert!(self.evicts, "pop_back on an LRU without eviction order");
+        while let Some((slot, stamp)) = self.queue.pop_front() {
+            if self.stamps[slot as usize] == stamp {
+                self.stamps[slot as usize] = 0;
+                self.free.push(slot);
+                self.len -= 1;
+                return Some(self.keys[slot as usize]);
+            }
         }
-        let slot = self.tail;
-        self.unlink(slot);
-        self.free.push(slot);
-        self.len -= 1;
-        Some(self.nodes[slot as usize].key)
+        None
     }
 
     /// Keys from most to least recently touched (for tests and inspection).
     pub fn keys_mru(&self) -> Vec<u64> {
-        let mut out = Vec::with_capacity(self.len);
-        let mut cur = self.head;
-        while cur != NIL {
-            out.push(self.nodes[cur as usize].key);
-            cur = self.nodes[cur as usize].next;
-        }
-        out
+        let mut live = self.live();
+        live.sort_unstable_by_key(|&(_, stamp)| std::cmp::Reverse(stamp));
+        live.into_iter().map(|(slot, _)| self.keys[slot as usize]).collect()
     }
 
-    fn link_head(&mut self, slot: u32) {
-        if self.head != NIL {
-            self.nodes[self.head as usize].prev = slot;
-        }
-        self.head = slot;
-        if self.tail == NIL {
-            self.tail = slot;
-        }
+    fn live(&self) -> Vec<(u32, u64)> {
+        (0..self.stamps.len() as u32)
+            .map(|s| (s, self.stamps[s as usize]))
+            .filter(|&(_, st)| st != 0)
+            .collect()
     }
 
-    fn unlink(&mut self, slot: u32) {
-        let Node { prev, next, .. } = self.nodes[slot as usize];
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.nodes[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.nodes[next as usize].prev = prev;
-        }
+    /// Drop stale queue entries: rebuild it from the live slots in stamp order.
+    fn compact(&mut self) {
+        let mut live = self.live();
+        live.sort_unstable_by_key(|&(_, stamp)| stamp);
+        self.queue = live.into();
     }
 }
 
@@ -138,5 +147,28 @@ mod tests {
         assert_eq!(lru.pop_back(), Some(4));
         assert_eq!(lru.pop_back(), None);
         assert!(lru.is_empty());
+    }
+
+    #[test]
+    fn compaction_keeps_the_order() {
+        let mut lru = Lru::default();
+        let slots: Vec<u32> = (0..10).map(|k| lru.push_front(k)).collect();
+        for round in 0..3000 {
+            lru.move_to_front(slots[round % 10]);
+        }
+        assert!(lru.queue.len() <= 2 * lru.len() + 1024);
+        let expected: Vec<u64> = (0..10).rev().collect();
+        assert_eq!(lru.keys_mru(), expected);
+        assert_eq!(lru.pop_back(), Some(0));
+    }
+
+    #[test]
+    fn unbounded_lru_keeps_order_without_a_queue() {
+        let mut lru = Lru::new(false);
+        let a = lru.push_front(1);
+        lru.push_front(2);
+        lru.move_to_front(a);
+        assert_eq!(lru.keys_mru(), vec![1, 2]);
+        assert!(lru.queue.is_empty());
     }
 }

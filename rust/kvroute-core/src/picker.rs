@@ -109,13 +109,23 @@ impl PickInput<'_> {
         state: &mut PickState,
         key: impl Fn(usize) -> K,
     ) -> Option<(usize, Branch)> {
-        let best = self.available().map(&key).min()?;
-        let tied: Vec<usize> = self.available().filter(|&i| key(i) == best).collect();
-        if tied.len() == 1 {
-            return Some((tied[0], Branch::Score));
+        // One pass for the minimum and its multiplicity; a second only when there is a tie.
+        let mut best: Option<(K, usize, usize)> = None; // (key, first index, ties)
+        for i in self.available() {
+            let k = key(i);
+            match &mut best {
+                Some((b, _, ties)) if k == *b => *ties += 1,
+                Some((b, _, _)) if k > *b => {}
+                _ => best = Some((k, i, 1)),
+            }
         }
-        let winner = tied[(state.rr % tied.len() as u64) as usize];
+        let (best, first, ties) = best?;
+        if ties == 1 {
+            return Some((first, Branch::Score));
+        }
+        let nth = (state.rr % ties as u64) as usize;
         state.rr += 1;
+        let winner = self.available().filter(|&i| key(i) == best).nth(nth)?;
         Some((winner, Branch::TieBreak))
     }
 

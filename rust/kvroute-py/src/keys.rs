@@ -27,7 +27,10 @@ pub fn block_hashes<'py>(
             Ok(s) => Ok(keys::block_hashes_u32(s, bs)),
             Err(_) => hash_array(a, bs),
         },
-        Tokens::I32(a) => hash_array(a, bs),
+        Tokens::I32(a) => match a.as_slice() {
+            Ok(s) => keys::block_hashes_i32(s, bs),
+            Err(_) => hash_array(a, bs),
+        },
         Tokens::I64(a) => hash_array(a, bs),
         Tokens::U64(a) => hash_array(a, bs),
         Tokens::Owned(v) => keys::block_hashes(v, bs),
