@@ -7,7 +7,7 @@ released on all cores; a progress bar appears on a terminal once a run passes tw
 and Ctrl-C stops it cleanly (``KeyboardInterrupt``). The exact definitions (any-session,
 intra-session, shared-prefix, capacity curve, reuse split) are SEMANTICS §4, restated in
 ``docs/ceilings.md``. Time O(keys) for the three ceilings (plus O(keys) for the curve),
-memory O(requests + nodes new to their session + keys / 8); stateless and thread-safe.
+memory O(requests + nodes new to their session + keys); stateless and thread-safe.
 """
 
 from __future__ import annotations

@@ -1,137 +1,168 @@
-"""The main job's first form: route a bundled trace under every policy and compare.
+"""The main job (``kvroute demo``, ``make demo``): the whole policy study in one call.
 
-Each request is routed at its trace time with the real :class:`kvroute.Router`. Its
-first token and finish come from a deliberately small load model, so that counters, cache
-state and policy decisions evolve as they would in front of real engines:
+1. synthesize the w600-profile trace (:func:`kvroute.synth.synthesize`), or take one;
+2. compute its APC ceilings (:func:`kvroute.ceilings.ceilings`);
+3. simulate every policy (and ``capped``) on ``instances`` simulated engines in both dispatch
+   modes (:func:`kvroute.sim.sweep`), writing one run directory each;
+4. a live check: ``live_engines`` emulators and a ``unified`` proxy in-process on 127.0.0.1
+   (free ports), replaying the trace's first ``live_requests`` requests through the proxy;
+   the emulators run ``speedup`` x faster than real time and trace times are scaled to
+   match, and the records' times are scaled back, so the live run reads in emulated seconds;
+5. the report (:mod:`kvroute.report`): ``report.md``, ``report.json``, ``figures/*.png``.
 
-* each instance runs prefills one at a time at ``prefill_tokens_per_s`` (a 32k prefill takes
-  about 5 s, as on the study's H20 engines), so a request's first token arrives when the
-  prefills queued before it and its own *new* prefill (input minus estimated cache hit) are done;
-* decoding then takes ``output_length * tpot_s``.
-
-This is not the cluster simulator (continuous batching, KV pool, preemption); it only gives
-the router realistic request lifetimes. Per policy it reports the estimated prefix-cache hit
-rate, the request balance (``req_bal``), and the model's TTFT percentiles.
-
-Complexity: O(requests x (keys + instances)) routing plus O(requests log requests) events.
+Everything lands under ``out`` (``trace/``, ``runs/<label>/``, the report). Servers always
+shut down. Time: seconds for steps 1-3 on 2 cores (release build), a few for the live check,
+a few for the figures. Not thread-safe (matplotlib).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
-from kvroute import Router, policies
+from kvroute.records import RUN_KEY, run_info, write_records
+from kvroute.report import Report, Run, analyze, make_run, trace_ceilings, write_report
+from kvroute.report.runs import sort_runs
 
-if TYPE_CHECKING:
-    from kvroute._core import RouteInfo
-
-SEED_POLICIES = ("lmetric", "load_only", "sticky", "unified", "leastwork")
-
-
-@dataclass(frozen=True)
-class Request:
-    """One trace request."""
-
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
-    session_id: int | str
+QUICK_POLICIES = ("lmetric", "load_only", "sticky", "unified", "capped", "leastwork")
 
 
-@dataclass(frozen=True)
-class PolicyResult:
-    """What one policy achieved on the trace under the load model."""
+@dataclass
+class DemoConfig:
+    """What the demo runs; ``quick`` is CI's shortened form (300-request trace, the study's
+    policies and leastwork, 16 live requests)."""
 
-    policy: str
-    requests: int
-    hit_rate: float
-    req_bal: float
-    ttft_p50: float
-    ttft_p90: float
-    ttft_p99: float
-    per_instance: list[int]
-
-
-def requests_of(trace: pa.Table) -> list[Request]:
-    """The rows of a canonical trace table as :class:`Request` objects, in time order."""
-    cols = trace.select(
-        ["timestamp", "input_length", "output_length", "hash_ids", "session_id"]
-    ).to_pydict()
-    return [Request(*row) for row in zip(*cols.values(), strict=True)]
+    out: Path = Path("kvroute-demo")
+    quick: bool = False
+    trace: Path | None = None
+    instances: int = 8
+    policies: tuple[str, ...] = ()
+    live: bool = True
+    live_requests: int = 48
+    live_engines: int = 3
+    speedup: float = 50.0
+    seed: int = 42
+    timings: dict[str, float] = field(default_factory=dict)
 
 
-def _events(
-    requests: list[Request], router: Router, prefill_tps: float, tpot_s: float
-) -> Iterator[tuple[RouteInfo, float]]:
-    """Route every request; yield (decision, ttft) and drive first_token/finish in time order."""
-    pending: list[tuple[float, int, int, str]] = []  # (time, seq, request index, event)
-    prefill_free_at = [0.0] * router.num_instances
-    seq = 0
-    for idx, req in enumerate(requests):
-        while pending and pending[0][0] <= req.timestamp:
-            _, _, rid, kind = heapq.heappop(pending)
-            (router.first_token if kind == "first" else router.finish)(rid)
-        info = router.route_info(idx, req.hash_ids, req.input_length, req.session_id)
-        inst = info["instance"]
-        start = max(req.timestamp, prefill_free_at[inst])
-        first = start + info["new_prefill"] / prefill_tps
-        prefill_free_at[inst] = first
-        finish = first + max(req.output_length - 1, 0) * tpot_s
-        heapq.heappush(pending, (first, seq, idx, "first"))
-        heapq.heappush(pending, (finish, seq + 1, idx, "finish"))
-        seq += 2
-        yield info, first - req.timestamp
-    while pending:
-        _, _, rid, kind = heapq.heappop(pending)
-        (router.first_token if kind == "first" else router.finish)(rid)
+def _step(cfg: DemoConfig, name: str, log: Callable[[str], object], t0: float) -> None:
+    cfg.timings[name] = round(time.perf_counter() - t0, 3)
+    log(f"{name}: {cfg.timings[name]:.1f} s")
 
 
-def run_policy(
-    requests: list[Request],
-    policy: str,
-    *,
-    instances: int = 8,
-    prefill_tps: float = 6500.0,
-    tpot_s: float = 0.009,
-    **router_kwargs: float,
-) -> PolicyResult:
-    """Route ``requests`` under ``policy`` with the load model; returns the summary."""
-    router = Router(instances, policy, **router_kwargs)  # type: ignore[arg-type]
-    hits = total = 0
-    counts = [0] * instances
-    ttfts: list[float] = []
-    for req, (info, ttft) in zip(
-        requests, _events(requests, router, prefill_tps, tpot_s), strict=True
-    ):
-        counts[info["instance"]] += 1
-        hits += info["hit_tokens"]
-        total += req.input_length
-        ttfts.append(ttft)
-    if router.in_flight or any(s["num_requests"] for s in router.state()):
-        raise RuntimeError("router counters did not return to zero")  # an internal bug
-    p50, p90, p99 = np.percentile(np.array(ttfts), [50, 90, 99]) if ttfts else (0.0, 0.0, 0.0)
-    mean = sum(counts) / instances
-    return PolicyResult(
-        policy=policy,
-        requests=len(requests),
-        hit_rate=hits / total if total else 0.0,
-        req_bal=max(counts) / mean if mean else 0.0,
-        ttft_p50=float(p50),
-        ttft_p90=float(p90),
-        ttft_p99=float(p99),
-        per_instance=counts,
+def make_trace(cfg: DemoConfig) -> Path:
+    """The trace of the study: the given one, or w600 synthesized under ``out/trace``."""
+    if cfg.trace is not None:
+        return cfg.trace
+    from kvroute.synth import synthesize
+
+    path = cfg.out / "trace" / "w600.parquet"
+    synthesize("w600", path, seed=cfg.seed, requests=300 if cfg.quick else None)
+    return path
+
+
+def simulate_all(cfg: DemoConfig, trace: pa.Table) -> list[Run]:
+    """Every policy x dispatch mode on the simulator; run directories under ``out/runs``."""
+    import kvroute
+    import kvroute.sim as ks
+
+    names = list(cfg.policies or (QUICK_POLICIES if cfg.quick else [*kvroute.policies(), "capped"]))
+    modes = ["tracets", "thinktime"] if "time_to_parent_chat" in trace.column_names else ["tracets"]
+    runs = []
+    for res in ks.sweep(trace, policies=names, modes=modes, instances=cfg.instances):
+        path = res.write(cfg.out / "runs" / res.spec.label)
+        runs.append(make_run(res.records, path / "records.parquet"))
+    return runs
+
+
+def live_check(cfg: DemoConfig, trace: pa.Table, policy: str = "unified") -> Run:
+    """Emulators behind a proxy, in-process; replay the first requests through the proxy."""
+    from kvroute.emulator import EmulatorConfig, emulator_app
+    from kvroute.proxy import ProxyConfig, ServerThread, proxy_app
+    from kvroute.replay import ReplayConfig, replay
+
+    n = 16 if cfg.quick else cfg.live_requests
+    mode = "thinktime" if "time_to_parent_chat" in trace.column_names else "tracets"
+    st = ServerThread()
+    try:
+        urls = [
+            st.start(emulator_app(EmulatorConfig(speedup=cfg.speedup)))
+            for _ in range(cfg.live_engines)
+        ]
+        proxy = st.start(proxy_app(ProxyConfig(backends=urls, policy=policy)))
+        rc = ReplayConfig(
+            url=proxy,
+            mode=mode,
+            time_scale=1.0 / cfg.speedup,
+            max_requests=n,
+            request_timeout_s=120.0,
+        )
+        records = replay(trace, rc)
+    finally:
+        st.close()
+    scaled = _emulated_time(records, cfg, policy)
+    mode = run_info(records).get("mode", mode)
+    path = write_records(scaled, cfg.out / "runs" / f"live-{policy}-{mode}" / "records.parquet")
+    return make_run(scaled, path)
+
+
+def _emulated_time(records: pa.Table, cfg: DemoConfig, policy: str) -> pa.Table:
+    cols = {}
+    for name in records.column_names:
+        col = records.column(name)
+        if name in ("send", "first_token", "finish", "queue_wait"):
+            col = pa.compute.multiply(col, cfg.speedup)
+        cols[name] = col
+    info = {
+        **run_info(records),
+        "policy": policy,
+        "instances": cfg.live_engines,
+        "speedup": cfg.speedup,
+        "time_unit": f"emulated s (wall x {cfg.speedup:g})",
+    }
+    meta = {RUN_KEY: json.dumps(info, sort_keys=True).encode()}
+    return pa.table(cols, schema=records.schema.with_metadata(meta))
+
+
+def run_demo(cfg: DemoConfig, log: Callable[[str], object] = print) -> Report:
+    """Steps 1-5 of the module doc; returns the report (also written under ``cfg.out``)."""
+    import pyarrow.parquet as pq
+
+    from kvroute.trace import read_trace
+    from kvroute.trace_ops import trace_stats
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    path = make_trace(cfg)
+    trace = read_trace(path) if path.suffix != ".parquet" else pq.read_table(path)
+    _step(cfg, "trace", log, t)
+    t = time.perf_counter()
+    ceil = trace_ceilings(trace)
+    _step(cfg, "ceilings", log, t)
+    t = time.perf_counter()
+    runs = simulate_all(cfg, trace)
+    _step(cfg, f"simulate ({len(runs)} runs)", log, t)
+    if cfg.live:
+        t = time.perf_counter()
+        runs.append(live_check(cfg, trace))
+        _step(cfg, "live check", log, t)
+    t = time.perf_counter()
+    doc = {**trace_stats(trace), "path": str(path)}
+    rep = analyze(sort_runs(runs), ceilings=ceil, trace=doc)
+    rep.notes.append(
+        f"Trace {path.name}: {doc['requests']} requests, {doc['sessions']} sessions. "
+        f"Simulated runs: {cfg.instances} engines (h20-qwen3-coder-30b-a3b). "
+        + (
+            f"Live run: {cfg.live_engines} emulators behind the proxy, times in emulated s."
+            if cfg.live
+            else ""
+        )
     )
-
-
-def run_all(
-    requests: list[Request], names: list[str] | None = None, instances: int = 8
-) -> list[PolicyResult]:
-    """``run_policy`` for each name (default: every policy)."""
-    return [run_policy(requests, name, instances=instances) for name in names or policies()]
+    write_report(rep, cfg.out, trace=trace, title="kvroute demo: the policy study")
+    _step(cfg, "report", log, t)
+    return rep

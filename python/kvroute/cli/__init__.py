@@ -9,6 +9,7 @@ import kvroute
 from kvroute.cli.ceilings import ceilings
 from kvroute.cli.demo import demo, list_policies
 from kvroute.cli.live import engine, proxy, replay
+from kvroute.cli.report import bench, report
 from kvroute.cli.simulate import simulate
 from kvroute.cli.trace import trace
 
@@ -27,5 +28,7 @@ main.add_command(proxy)
 main.add_command(engine)
 main.add_command(replay)
 main.add_command(simulate)
+main.add_command(report)
+main.add_command(bench)
 
 __all__ = ["main"]

@@ -33,13 +33,13 @@ def _capacities(text: str | None) -> list[int]:
 
 def _table(result: Ceilings, name: str) -> Table:
     table = Table(title=f"APC ceilings of {name} (block {result.block_size} tokens)")
-    for col in ("ceiling", "ratio", "hit tokens", "total tokens", "hit requests", "requests"):
-        table.add_column(col, justify="left" if col == "ceiling" else "right")
+    for col in ("ceiling", "ratio", "hit tokens", "tokens", "hit reqs", "requests"):
+        table.add_column(col, justify="left" if col == "ceiling" else "right", no_wrap=True)
     rows: list[tuple[str, Variant | CapacityPoint]] = [
         ("any-session", result.any),
         ("intra-session", result.intra),
-        (f"shared-prefix (S >= {result.min_sessions})", result.shared),
-        *((f"LRU of {c.capacity:,} keys", c) for c in result.capacity),
+        (f"shared (S>={result.min_sessions})", result.shared),
+        *((f"LRU {c.capacity:,} keys", c) for c in result.capacity),
     ]
     for label, v in rows:
         table.add_row(

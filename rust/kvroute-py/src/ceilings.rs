@@ -5,9 +5,11 @@
 //! request's keys stay a slice of the producer's `hash_ids` buffer (`list` or `large_list` of
 //! `uint64`/`int64`). `timestamp`, `input_length` and `session_id` (integers or strings, plain
 //! or dictionary-encoded; a null is a session of its own) become small per-row vectors.
-//! Only the stream import holds the GIL: the conversion and the work run on a scoped thread (rayon inside) while the calling thread waits without the
-//! GIL, waking every 100 ms to run Python's signal handlers (Ctrl-C cancels the run and raises
-//! `KeyboardInterrupt`) and to call `progress(done, total)`. O(rows + keys); no shared state.
+//! Only the stream import holds the GIL: the conversion and the work run on a scoped thread
+//! (rayon inside) while the calling thread waits without the GIL, waking every 100 ms to run
+//! Python's signal handlers (Ctrl-C cancels the run and raises `KeyboardInterrupt`) and to
+//! call `progress(done, total)`. A panic in the worker becomes a `RuntimeError`.
+//! O(rows + keys); no shared state.
 
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
@@ -248,10 +250,16 @@ fn wait<T: Send>(
     let done = (Mutex::new(false), Condvar::new());
     std::thread::scope(|s| {
         let handle = s.spawn(|| {
-            let out = work();
-            *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-            done.1.notify_all();
-            out
+            // Set on the way out, panic or not, so the waiting loop below always ends.
+            struct Finished<'a>(&'a (Mutex<bool>, Condvar));
+            impl Drop for Finished<'_> {
+                fn drop(&mut self) {
+                    *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+                    self.0 .1.notify_all();
+                }
+            }
+            let _finished = Finished(&done);
+            work()
         });
         let mut stop: Option<PyErr> = None;
         loop {

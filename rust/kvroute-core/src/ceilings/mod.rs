@@ -12,7 +12,7 @@
 //! and the totals (parallel over sessions). The capacity curve ([`capacity`]) is sequential
 //! by nature and runs beside them. Work is O(keys) expected for the three ceilings and
 //! O(keys · boundaries touched) for the curve; memory is O(requests + nodes new to their
-//! session + keys / 8 + max C).
+//! session + keys + max C).
 //!
 //! [`Control`] is shared with the caller: a progress counter it may poll from another thread
 //! and a cancel flag the passes check between sessions; a cancelled run returns
