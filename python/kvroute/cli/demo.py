@@ -89,7 +89,7 @@ def demo(
         )
         sys.stdout.write("\n")
         return
-    console = Console(width=max(Console().width, 160))
+    console = Console(width=max(Console().width, 200))
     console.print(rich_table(rep, title="The study's B3 table, regenerated"))
     if rep.deltas:
         console.print(rich_deltas(rep))

@@ -91,7 +91,7 @@ def report(
         json.dump(rep.to_dict(), sys.stdout, default=str)
         sys.stdout.write("\n")
         return
-    console = Console(width=max(Console().width, 160))
+    console = Console(width=max(Console().width, 200))
     console.print(rich_table(rep))
     if rep.deltas:
         console.print(rich_deltas(rep))

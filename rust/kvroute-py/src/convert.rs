@@ -71,14 +71,20 @@ fn is_integer(obj: &Bound<'_, PyAny>) -> bool {
 
 /// Block keys, borrowed from a contiguous uint64 array or collected from anything else.
 pub enum Keys<'py> {
-    Borrowed(PyReadonlyArray1<'py, u64>),
+    /// A C-contiguous uint64 array, read in place.
+    Borrowed(Bound<'py, PyArray1<u64>>),
     Owned(Vec<u64>),
 }
 
 impl Keys<'_> {
     pub fn as_slice(&self) -> &[u64] {
         match self {
-            Keys::Borrowed(a) => a.as_slice().unwrap_or(&[]),
+            // SAFETY: the array is C-contiguous (checked when it was taken) and kept alive by
+            // `a`. The slice is only used while the GIL is held and no Python code runs (the
+            // router call), so nothing can write to or resize the array meanwhile; the
+            // extension is built for the GIL-enabled ABI (abi3). numpy's dynamic borrow
+            // tracking is skipped on purpose: it costs more than a whole route() on short keys.
+            Keys::Borrowed(a) => unsafe { a.as_slice() }.unwrap_or(&[]),
             Keys::Owned(v) => v,
         }
     }
@@ -123,11 +129,10 @@ pub fn keys<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Keys<'py>> {
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         one_dimensional(arr, name)?;
         if let Ok(a) = obj.cast::<PyArray1<u64>>() {
-            let ro = a.readonly();
-            return Ok(if ro.as_slice().is_ok() {
-                Keys::Borrowed(ro)
+            return Ok(if a.is_c_contiguous() {
+                Keys::Borrowed(a.clone())
             } else {
-                Keys::Owned(ro.as_array().iter().copied().collect())
+                Keys::Owned(a.readonly().as_array().iter().copied().collect())
             });
         }
         if let Ok(a) = obj.cast::<PyArray1<i64>>() {
