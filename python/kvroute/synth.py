@@ -904,9 +904,3 @@ def synthesize(
     stats.elapsed_s = time.perf_counter() - started
     stats.file_bytes = out.stat().st_size
     return stats
-
-
-if __name__ == "__main__":  # pragma: no cover - `python -m kvroute.synth ...`
-    from kvroute.cli.synth import synth
-
-    synth()
