@@ -321,3 +321,27 @@ def test_equal_timestamps_keep_file_order(tmp_path: Path) -> None:
     path = tmp_path / "ties.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert read_trace(path).column("request_id").to_pylist() == [1, 3, 0, 2, 4]
+
+
+def test_text_trace_with_a_tokenizer_json(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "fix": 1, "the": 2, "bug": 3, "now": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    rows = [
+        {"timestamp": 2_000_000, "input": "fix the bug", "output": "now", "session_id": "s"},
+        {"timestamp": 1_000_000, "input": "fix the", "output": "bug now x", "session_id": "s"},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = read_trace(path, format="text", tokenizer=tmp_path / "tokenizer.json", block_size=2)
+    assert (t.schema.metadata or {})[b"kvroute.tokenizer"] == b"hf:tokenizer.json"
+    assert t.column("input_length").to_pylist() == [2, 3]  # time order: "fix the" first
+    assert t.column("output_length").to_pylist() == [3, 1]
+    keys = t.column("hash_ids").to_pylist()
+    assert keys[0] == kvroute.block_hashes([1, 2], 2).tolist()
+    assert keys[1] == kvroute.block_hashes([1, 2, 3], 2).tolist()
+    assert t.column("turn").to_pylist() == [0, 1]
+    with pytest.raises(kvroute.InvalidArgumentError, match="tokenizer file not found"):
+        read_trace(path, format="text", tokenizer=tmp_path / "missing.json")

@@ -7,7 +7,7 @@
   on English and code (a BPE token is often a whole word) but not equal: use it for keys and
   for approximate lengths, not for exact token counts.
 * :class:`HuggingFaceTokenizer`: a ``tokenizer.json`` read with the ``tokenizers`` package
-  (install it separately): exact ids for that model.
+  (``pip install kvroute[hf]``): exact ids for that model.
 
 Both are O(text length) and stateless after construction; safe to share between threads.
 """
@@ -55,7 +55,7 @@ class HuggingFaceTokenizer:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise InvalidArgumentError(
-                "a tokenizer.json needs the `tokenizers` package: pip install tokenizers"
+                "a tokenizer.json needs the `tokenizers` package: pip install 'kvroute[hf]'"
             ) from exc
         if not Path(path).is_file():
             raise InvalidArgumentError(f"tokenizer file not found: {path}")
