@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -26,22 +25,10 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from tracedata import full_scale_trace
+
 COLUMNS = ["timestamp", "session_id", "input_length", "hash_ids"]
-DATA = Path(os.environ.get("KVROUTE_BENCH_DATA", Path.home() / ".cache" / "kvroute"))
-FULL_REQUESTS = 2_110_000
 TESTS = Path(__file__).resolve().parents[1] / "tests"
-
-
-def full_scale_trace() -> Path:
-    """The full-scale agentic-glm synthetic trace, generated on first use."""
-    path = DATA / f"agentic-glm-{FULL_REQUESTS}-seed42.parquet"
-    if not path.exists():
-        synth = pytest.importorskip("kvroute.synth")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.parquet")
-        synth.synthesize("agentic-glm", tmp, requests=FULL_REQUESTS, seed=42)
-        tmp.rename(path)
-    return path
 
 
 def sliced(full: Path, rows: int) -> Path:

@@ -9,14 +9,13 @@ synthesizer is unavailable.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-import pytest
 
 from kvroute.trace import read_trace, write_trace
+from tracedata import full_scale_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MOONCAKE = SHARED / "mooncake" / "conversation_trace.jsonl"
@@ -24,20 +23,6 @@ if not MOONCAKE.exists():
     MOONCAKE = (
         Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_head1000.jsonl"
     )
-DATA = Path(os.environ.get("KVROUTE_BENCH_DATA", Path.home() / ".cache" / "kvroute"))
-FULL_REQUESTS = 2_110_000
-
-
-def full_scale_trace() -> Path:
-    """The full-scale agentic-glm synthetic trace, generated on first use."""
-    path = DATA / f"agentic-glm-{FULL_REQUESTS}-seed42.parquet"
-    if not path.exists():
-        synth = pytest.importorskip("kvroute.synth")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.parquet")
-        synth.synthesize("agentic-glm", tmp, requests=FULL_REQUESTS, seed=42)
-        tmp.rename(path)
-    return path
 
 
 def _rates(benchmark: Any, nbytes: int, rows: int) -> None:

@@ -11,9 +11,8 @@
 //! call `progress(done, total)`. A panic in the worker becomes a `RuntimeError`.
 //! O(rows + keys); no shared state.
 
+use crate::worker::run_interruptible;
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex};
-use std::time::Duration;
 
 use arrow_array::cast::AsArray;
 use arrow_array::ffi_stream::{ArrowArrayStreamReader, FFI_ArrowArrayStream};
@@ -22,7 +21,6 @@ use arrow_array::{Array, ArrayRef, GenericListArray, OffsetSizeTrait, RecordBatc
 use arrow_schema::DataType;
 use kvroute_core::ceilings::{compute, stable_order, Control, Params, Stop, Totals, Trace};
 use numpy::IntoPyArray;
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyList};
 use rustc_hash::FxBuildHasher;
@@ -247,54 +245,11 @@ fn wait<T: Send>(
     progress: Option<&Bound<'_, PyAny>>,
     work: impl FnOnce() -> T + Send,
 ) -> PyResult<T> {
-    let done = (Mutex::new(false), Condvar::new());
-    std::thread::scope(|s| {
-        let handle = s.spawn(|| {
-            // Set on the way out, panic or not, so the waiting loop below always ends.
-            struct Finished<'a>(&'a (Mutex<bool>, Condvar));
-            impl Drop for Finished<'_> {
-                fn drop(&mut self) {
-                    *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-                    self.0 .1.notify_all();
-                }
-            }
-            let _finished = Finished(&done);
-            work()
-        });
-        let mut stop: Option<PyErr> = None;
-        loop {
-            let finished = py.detach(|| {
-                let guard = done.0.lock().unwrap_or_else(|e| e.into_inner());
-                let (guard, _) = done
-                    .1
-                    .wait_timeout_while(guard, Duration::from_millis(100), |d| !*d)
-                    .unwrap_or_else(|e| e.into_inner());
-                *guard
-            });
-            if finished {
-                break;
-            }
-            let polled = py.check_signals().and_then(|()| match progress {
-                Some(cb) => cb.call1(ctl.progress()).map(drop),
-                None => Ok(()),
-            });
-            if let Err(e) = polled {
-                ctl.cancel();
-                stop = Some(e);
-                py.detach(|| {
-                    let guard = done.0.lock().unwrap_or_else(|e| e.into_inner());
-                    drop(done.1.wait_while(guard, |d| !*d));
-                });
-                break;
-            }
-        }
-        let out =
-            handle.join().map_err(|_| PyRuntimeError::new_err("kvroute: the ceilings worker panicked"))?;
-        match stop {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
-    })
+    let poll = || {
+        py.check_signals()?;
+        progress.map_or(Ok(()), |cb| cb.call1(ctl.progress()).map(drop))
+    };
+    run_interruptible(py, "ceilings", poll, || ctl.cancel(), work)
 }
 
 fn totals<'py>(py: Python<'py>, t: &Totals) -> PyResult<Bound<'py, PyDict>> {

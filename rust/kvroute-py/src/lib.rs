@@ -1,7 +1,8 @@
 //! `kvroute._core`: the PyO3 bindings of kvroute-core. One small file per exposed piece:
 //! [`router`] (the `Router` class), [`keys`] (key functions), [`convert`] (argument
 //! conversion), [`ceilings`] (trace ceilings over Arrow input), [`sim`] (the simulator and
-//! `EngineModel`) and [`errors`] (exception mapping).
+//! `EngineModel`), [`worker`] (interruptible long work)
+//! and [`errors`] (exception mapping).
 
 mod ceilings;
 mod convert;
@@ -9,6 +10,7 @@ mod errors;
 mod keys;
 mod router;
 mod sim;
+mod worker;
 
 use pyo3::prelude::*;
 

@@ -9,9 +9,8 @@
 
 pub mod engine_model;
 
+use crate::worker::run_interruptible;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
-use std::time::Duration;
 
 use kvroute_core::sim::{
     run_many, EngineParams, Mode, PreparedTrace, RouterCache, RunConfig, SimOutput, SimTrace,
@@ -291,45 +290,7 @@ fn output(py: Python<'_>, o: SimOutput) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Run `work` on a scoped thread; wait without the GIL, polling Python's signal handlers
-/// every 100 ms; on a signal set `cancel`, wait for the worker and raise.
+/// Run `work` off the GIL; on a signal set `cancel`, wait for the worker and raise.
 fn wait<T: Send>(py: Python<'_>, cancel: &AtomicBool, work: impl FnOnce() -> T + Send) -> PyResult<T> {
-    let done = (Mutex::new(false), Condvar::new());
-    std::thread::scope(|s| {
-        let handle = s.spawn(|| {
-            let out = work();
-            *done.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-            done.1.notify_all();
-            out
-        });
-        let mut stop: Option<PyErr> = None;
-        loop {
-            let finished = py.detach(|| {
-                let guard = done.0.lock().unwrap_or_else(|e| e.into_inner());
-                let (guard, _) = done
-                    .1
-                    .wait_timeout_while(guard, Duration::from_millis(100), |d| !*d)
-                    .unwrap_or_else(|e| e.into_inner());
-                *guard
-            });
-            if finished {
-                break;
-            }
-            if let Err(e) = py.check_signals() {
-                cancel.store(true, Ordering::Relaxed);
-                stop = Some(e);
-                py.detach(|| {
-                    let guard = done.0.lock().unwrap_or_else(|e| e.into_inner());
-                    drop(done.1.wait_while(guard, |d| !*d));
-                });
-                break;
-            }
-        }
-        let out =
-            handle.join().map_err(|_| PyRuntimeError::new_err("kvroute: the simulation worker panicked"))?;
-        match stop {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
-    })
+    run_interruptible(py, "simulation", || py.check_signals(), || cancel.store(true, Ordering::Relaxed), work)
 }
