@@ -8,8 +8,10 @@ module is collected, with that one warning silenced, and keep it silenced for th
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,3 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore::kvroute.errors.DebugBuildWarning")
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: a process started in the
+    background by a non-interactive shell inherits SIGINT as ignored, and then neither
+    Ctrl-C nor ``_thread.interrupt_main`` would interrupt anything."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

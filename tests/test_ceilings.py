@@ -237,6 +237,7 @@ def test_progress_callback_and_its_errors() -> None:
         kvroute.ceilings(t, capacities=[10, 100, 1000, 10_000], progress=fail)
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_stops_cleanly() -> None:
     t = big_table()
 

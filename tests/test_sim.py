@@ -355,6 +355,7 @@ def test_cli_errors_are_one_line(trace: pa.Table, tmp_path: Path) -> None:
         assert text in res.output, res.output
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_stops_a_long_run_cleanly(tmp_path: Path) -> None:
     import os
     import signal
