@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy.stubtest kvroute._core --allowlist stubtest-allowlist.txt
 
 bench: build-release
-	$(BIN)/pytest benches -q --benchmark-only --benchmark-columns=min,median,mean,ops,rounds
+	$(BIN)/pytest benches -q --benchmark-only --benchmark-disable-gc --benchmark-columns=min,median,mean,ops,rounds
 
 bench-rust:
 	cargo bench -p kvroute-bench

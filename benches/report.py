@@ -43,6 +43,7 @@ def run_pytest(json_path: Path, args: list[str]) -> None:
         "-p",
         "no:cacheprovider",
         "--benchmark-only",
+        "--benchmark-disable-gc",
         "--benchmark-columns=min,median,mean,rounds",
         f"--benchmark-json={json_path}",
     ]
