@@ -13,6 +13,7 @@ pub mod cache;
 pub mod ceilings;
 pub mod error;
 pub mod keys;
+pub mod lru;
 pub mod picker;
 pub mod policy;
 pub mod rng;

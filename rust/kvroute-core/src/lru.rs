@@ -1,0 +1,173 @@
+//! One instance's LRU order over block keys, kept as touch timestamps.
+//!
+//! Each resident key has a slot (stable while it is resident, so the cluster index can point
+//! at it) holding the key and the time it was last touched. A touch only writes that stamp:
+//! no list relinking, one cache line per key. A bounded cache also appends `(slot, stamp)`
+//! to a queue in touch order; eviction pops the queue's front, skipping entries that a later
+//! touch made stale, and stale entries are dropped in place when they outnumber live ones.
+//! The order is the same as a move-to-front list's: the latest stamp is the most recent.
+//!
+//! Touch O(1); eviction amortized O(1); `keys_mru` O(n log n). Not synchronised: owned by
+//! [`crate::cache::ClusterCache`].
+
+use std::collections::VecDeque;
+
+/// LRU order over resident keys.
+#[derive(Debug, Clone)]
+pub struct Lru {
+    keys: Vec<u64>,
+    /// Last touch per slot; 0 marks a free slot.
+    stamps: Vec<u64>,
+    free: Vec<u32>,
+    /// Touches in time order, for eviction; only kept when `evicts`.
+    queue: VecDeque<(u32, u64)>,
+    evicts: bool,
+    clock: u64,
+    len: usize,
+}
+
+impl Default for Lru {
+    fn default() -> Self {
+        Self::new(true)
+    }
+}
+
+impl Lru {
+    /// An empty LRU; `evicts` keeps the touch queue that [`Lru::pop_back`] needs.
+    pub fn new(evicts: bool) -> Self {
+        Self {
+            keys: Vec::new(),
+            stamps: Vec::new(),
+            free: Vec::new(),
+            queue: VecDeque::new(),
+            evicts,
+            clock: 0,
+            len: 0,
+        }
+    }
+
+    /// Number of resident keys.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no key is resident.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Insert `key` as the most recent; returns its slot.
+    pub fn push_front(&mut self, key: u64) -> u32 {
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.keys[s as usize] = key;
+                s
+            }
+            None => {
+                self.keys.push(key);
+                self.stamps.push(0);
+                u32::try_from(self.keys.len() - 1).expect("more than 2^32 resident keys")
+            }
+        };
+        self.len += 1;
+        self.move_to_front(slot);
+        slot
+    }
+
+    /// Make the key at `slot` the most recent.
+    pub fn move_to_front(&mut self, slot: u32) {
+        self.clock += 1;
+        self.stamps[slot as usize] = self.clock;
+        if self.evicts {
+            self.queue.push_back((slot, self.clock));
+            if self.queue.len() > 2 * self.len + 1024 {
+                self.compact();
+            }
+        }
+    }
+
+    /// Remove and return the least recently touched key.
+    ///
+    /// # Panics
+    /// On an LRU made with `evicts = false`.
+    pub fn pop_back(&mut self) -> Option<u64> {
+        assert!(self.evicts, "pop_back on an LRU without eviction order");
+        while let Some((slot, stamp)) = self.queue.pop_front() {
+            if self.stamps[slot as usize] == stamp {
+                self.stamps[slot as usize] = 0;
+                self.free.push(slot);
+                self.len -= 1;
+                return Some(self.keys[slot as usize]);
+            }
+        }
+        None
+    }
+
+    /// Keys from most to least recently touched (for tests and inspection).
+    pub fn keys_mru(&self) -> Vec<u64> {
+        let mut live = self.live();
+        live.sort_unstable_by_key(|&(_, stamp)| std::cmp::Reverse(stamp));
+        live.into_iter().map(|(slot, _)| self.keys[slot as usize]).collect()
+    }
+
+    fn live(&self) -> Vec<(u32, u64)> {
+        (0..self.stamps.len() as u32)
+            .map(|s| (s, self.stamps[s as usize]))
+            .filter(|&(_, st)| st != 0)
+            .collect()
+    }
+
+    /// Drop stale queue entries (a later touch superseded them); the rest keep their order.
+    fn compact(&mut self) {
+        let stamps = &self.stamps;
+        self.queue.retain(|&(slot, stamp)| stamps[slot as usize] == stamp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn order_and_eviction() {
+        let mut lru = Lru::default();
+        let a = lru.push_front(1);
+        lru.push_front(2);
+        lru.push_front(3);
+        assert_eq!(lru.keys_mru(), vec![3, 2, 1]);
+        lru.move_to_front(a);
+        assert_eq!(lru.keys_mru(), vec![1, 3, 2]);
+        assert_eq!(lru.pop_back(), Some(2));
+        assert_eq!(lru.pop_back(), Some(3));
+        lru.push_front(4); // reuses a freed slot
+        assert_eq!(lru.keys_mru(), vec![4, 1]);
+        assert_eq!(lru.len(), 2);
+        assert_eq!(lru.pop_back(), Some(1));
+        assert_eq!(lru.pop_back(), Some(4));
+        assert_eq!(lru.pop_back(), None);
+        assert!(lru.is_empty());
+    }
+
+    #[test]
+    fn compaction_keeps_the_order() {
+        let mut lru = Lru::default();
+        let slots: Vec<u32> = (0..10).map(|k| lru.push_front(k)).collect();
+        for round in 0..3000 {
+            lru.move_to_front(slots[round % 10]);
+        }
+        assert!(lru.queue.len() <= 2 * lru.len() + 1024);
+        let expected: Vec<u64> = (0..10).rev().collect();
+        assert_eq!(lru.keys_mru(), expected);
+        assert_eq!(lru.pop_back(), Some(0));
+    }
+
+    #[test]
+    fn unbounded_lru_keeps_order_without_a_queue() {
+        let mut lru = Lru::new(false);
+        let a = lru.push_front(1);
+        lru.push_front(2);
+        lru.move_to_front(a);
+        assert_eq!(lru.keys_mru(), vec![1, 2]);
+        assert!(lru.queue.is_empty());
+    }
+}
