@@ -4,7 +4,7 @@ Each timed round is one whole call: pass 1 (every per-request scalar, sorted by 
 2 (~6.6M keys, in chunks) and the zstd Parquet write, to a fresh file. The full scale
 (2.11M requests, ~139M keys) is run once by hand, not here:
 
-    /usr/bin/time -v python -m kvroute.synth --profile agentic-glm -o /tmp/glm.parquet
+    /usr/bin/time -v kvroute trace synth --profile agentic-glm -o glm.parquet
 
 (numbers in docs/synth.md). Runs with ``make bench`` (pytest collects ``bench_*.py``), or
 alone: ``pytest benches/bench_synth.py --benchmark-only``. The generator does not use the

@@ -6,7 +6,7 @@
 - :func:`b3_compare`: the study's B3 / exp (d) policy sweeps next to a simulated sweep.
 - ``python -m kvroute.sim_fidelity W600.parquet`` prints both as Markdown tables.
 
-The study's numbers are transcribed from ``/work/shared/seeds`` (B2 and B3: window-1
+The study's numbers are transcribed from its research notes (B2 and B3: window-1
 results; both modes: exp (d)). Deterministic; O(requests) per cell.
 """
 
