@@ -251,7 +251,7 @@ def criterion_section(root: Path) -> list[str]:
     shown = set()
     for group, title in [
         ("route/unified", "`Router::route`, unified, warm (route alone timed)"),
-        ("matched_blocks_all", "`ClusterCache::matched_blocks_all`, warm"),
+        ("walk", "`ClusterCache::walk`, warm"),
     ]:
         grid = {}
         for full_id, ns in found.items():

@@ -1,4 +1,4 @@
-//! `Router::route` on a warm cluster and `ClusterCache::matched_blocks_all`, over
+//! `Router::route` on a warm cluster and `ClusterCache::walk`, over
 //! instances × keys-per-request (the grid of `benches/` on the Python side).
 //!
 //! `route` is timed alone: the request is built before the clock starts and finished after
@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvroute_bench::{policy, WarmCache, WarmRouter};
+use kvroute_core::cache::PrefixWalk;
 
 const INSTANCES: [usize; 4] = [8, 64, 256, 1024];
 const KEYS: [usize; 3] = [16, 128, 256];
@@ -39,19 +40,19 @@ fn route_grid(c: &mut Criterion) {
     g.finish();
 }
 
-fn matched_blocks_all_grid(c: &mut Criterion) {
-    let mut g = c.benchmark_group("matched_blocks_all");
+fn walk_grid(c: &mut Criterion) {
+    let mut g = c.benchmark_group("walk");
     for &keys in &KEYS {
         for &instances in &INSTANCES {
             let w = WarmCache::new(instances, keys);
-            let mut out = Vec::new();
+            let mut walk = PrefixWalk::default();
             let mut next = 0;
             g.bench_function(BenchmarkId::new(format!("{keys}keys"), instances), |b| {
                 b.iter(|| {
                     let lookup = &w.lookups[next];
                     next = (next + 1) % w.lookups.len();
-                    w.cache.matched_blocks_all(black_box(lookup), &mut out);
-                    black_box(&out);
+                    w.cache.walk(black_box(lookup), &mut walk);
+                    black_box(walk.matched());
                 });
             });
         }
@@ -69,6 +70,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = route_grid, matched_blocks_all_grid
+    targets = route_grid, walk_grid
 }
 criterion_main!(benches);

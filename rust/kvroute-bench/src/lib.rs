@@ -23,7 +23,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use kvroute_core::cache::ClusterCache;
+use kvroute_core::cache::{ClusterCache, PrefixWalk};
 use kvroute_core::keys::chain_ids;
 use kvroute_core::{Id, Policy, Router, RouterConfig};
 
@@ -201,7 +201,7 @@ impl WarmCache {
         let lookups: Vec<Vec<u64>> = (0..sessions)
             .map(|s| {
                 let mut chain = session_chain(s, keys, shared);
-                cache.touch_request(s % instances, &chain[..keys - 1]);
+                cache.touch_request(s % instances, &chain[..keys - 1], &PrefixWalk::default());
                 chain[keys - 1] = mix((3 << 62) ^ s as u64);
                 chain
             })

@@ -3,64 +3,56 @@
 //! The index lets one walk over a request's keys yield the matched prefix length on every
 //! instance at once: at position `i`, only the holders of key `i` that matched `i` keys so far
 //! advance, and the walk stops when none does. Cost O(instances + Σ holders of walked keys),
-//! not O(instances × keys). Touching a key and evicting one are O(holders of that key), and
-//! holders is almost always one or two. The index and the LRUs change together in
-//! [`ClusterCache::touch_request`], so they never disagree.
+//! not O(instances × keys). The walk also keeps each walked key's index entry, so touching
+//! the chosen instance's matched prefix afterwards needs no second lookup (each kept entry is
+//! checked against the instance's slot before use, so evictions in between are safe).
+//! Touching a key and evicting one are O(holders of that key), and holders is almost always
+//! one or two. The index and the LRUs change together in [`ClusterCache::touch_request`], so
+//! they never disagree.
+//!
+//! Index entries are 16 bytes (key, instance, slot) so that more of the index stays in cache;
+//! a key held by several instances points into a side table of holder lists instead. The
+//! walk prefetches the index buckets of the keys a few positions ahead ([`KeyIndex`]).
 //!
 //! Not synchronised: the router owns it behind its lock.
 
-use rustc_hash::FxHashMap;
-
+use crate::index::{Entry, KeyIndex, VACANT};
 use crate::lru::Lru;
 
-/// Instances holding one key, with the key's slot in each instance's LRU.
-/// Inline for the common single holder; no allocation then.
-#[derive(Debug, Clone)]
-enum Holders {
-    One(u32, u32),
-    Many(Vec<(u32, u32)>),
+/// `Entry::inst` of a key with several holders: `slot` then indexes the holder-list table.
+/// (An entry's single holder is `(inst, slot)`.)
+const MANY: u32 = u32::MAX;
+
+/// How far ahead of its lookups the walk prefetches index buckets.
+const PREFETCH_AHEAD: usize = 8;
+
+/// The result of one walk: matched blocks per instance and the walked keys' index entries.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixWalk {
+    matched: Vec<u32>,
+    entries: Vec<Entry>,
 }
 
-impl Holders {
-    fn slot_of(&self, inst: u32) -> Option<u32> {
-        match self {
-            Holders::One(i, s) => (*i == inst).then_some(*s),
-            Holders::Many(v) => v.iter().find(|(i, _)| *i == inst).map(|(_, s)| *s),
-        }
+impl PrefixWalk {
+    /// Leading keys resident on each instance.
+    pub fn matched(&self) -> &[u32] {
+        &self.matched
     }
 
-    fn push(&mut self, inst: u32, slot: u32) {
-        match self {
-            Holders::One(i, s) => *self = Holders::Many(vec![(*i, *s), (inst, slot)]),
-            Holders::Many(v) => v.push((inst, slot)),
-        }
-    }
-
-    /// Remove `inst`; returns whether no holder is left.
-    fn remove(&mut self, inst: u32) -> bool {
-        let Holders::Many(v) = self else {
-            return matches!(self, Holders::One(i, _) if *i == inst);
-        };
-        v.retain(|(i, _)| *i != inst);
-        let empty = v.is_empty();
-        if let [(i, s)] = v.as_slice() {
-            *self = Holders::One(*i, *s);
-        }
-        empty
-    }
-
-    fn for_each_instance(&self, mut f: impl FnMut(u32)) {
-        match self {
-            Holders::One(i, _) => f(*i),
-            Holders::Many(v) => v.iter().for_each(|(i, _)| f(*i)),
-        }
+    /// Forget the last walk (a touch then looks every key up).
+    pub fn clear(&mut self) {
+        self.matched.clear();
+        self.entries.clear();
     }
 }
 
 /// Per-instance LRU caches of block keys with a shared reverse index.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterCache {
-    index: FxHashMap<u64, Holders>,
+    index: KeyIndex,
+    /// Holder lists `(inst, slot)` of keys with several holders; `free` lists unused ones.
+    many: Vec<Vec<(u32, u32)>>,
+    free: Vec<u32>,
     lrus: Vec<Lru>,
     capacity: Option<usize>,
 }
@@ -68,11 +60,14 @@ pub struct ClusterCache {
 impl ClusterCache {
     /// `instances` empty caches of `capacity` keys each (`None`: unbounded).
     pub fn new(instances: usize, capacity: Option<usize>) -> Self {
-        Self { index: FxHashMap::default(), lrus: vec![Lru::new(capacity.is_some()); instances], capacity }
+        let mut cache = Self { capacity, ..Self::default() };
+        (0..instances).for_each(|_| _ = cache.add_instance());
+        cache
     }
 
     /// Add one empty instance cache; returns its index.
     pub fn add_instance(&mut self) -> usize {
+        assert!(self.lrus.len() < VACANT as usize, "more than 2^32 - 2 instances");
         self.lrus.push(Lru::new(self.capacity.is_some()));
         self.lrus.len() - 1
     }
@@ -85,27 +80,38 @@ impl ClusterCache {
     /// Leading keys of `keys` resident on `inst`. Read only. O(matched × holders).
     pub fn matched_blocks(&self, inst: usize, keys: &[u64]) -> usize {
         let inst = inst as u32;
-        keys.iter().take_while(|k| self.index.get(k).is_some_and(|h| h.slot_of(inst).is_some())).count()
+        keys.iter()
+            .take_while(|&&k| self.index.get(k).is_some_and(|e| self.slot_of(e, inst).is_some()))
+            .count()
     }
 
-    /// Leading keys of `keys` resident on every instance, written into `out` (resized to the
-    /// number of instances). Read only. One walk: O(instances + Σ holders of walked keys).
-    pub fn matched_blocks_all(&self, keys: &[u64], out: &mut Vec<u32>) {
-        out.clear();
-        out.resize(self.lrus.len(), 0);
-        for (pos, key) in keys.iter().enumerate() {
-            let Some(holders) = self.index.get(key) else {
+    /// Leading keys of `keys` resident on every instance, from one walk. Read only.
+    /// O(instances + Σ holders of walked keys).
+    pub fn walk(&self, keys: &[u64], walk: &mut PrefixWalk) {
+        let PrefixWalk { matched, entries } = walk;
+        matched.clear();
+        matched.resize(self.lrus.len(), 0);
+        entries.clear();
+        for (pos, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(pos + PREFETCH_AHEAD) {
+                self.index.prefetch(ahead);
+            }
+            let Some(entry) = self.index.get(key) else {
                 break;
             };
+            entries.push(entry);
             let pos = pos as u32;
-            let mut advanced = false;
-            holders.for_each_instance(|i| {
-                let m = &mut out[i as usize];
-                if *m == pos {
-                    *m = pos + 1;
-                    advanced = true;
-                }
-            });
+            let mut advance = |i: u32| {
+                let m = &mut matched[i as usize];
+                let hit = *m == pos;
+                *m += u32::from(hit);
+                hit
+            };
+            let advanced = if entry.inst == MANY {
+                self.many[entry.slot as usize].iter().fold(false, |any, &(i, _)| advance(i) | any)
+            } else {
+                advance(entry.inst)
+            };
             if !advanced {
                 break;
             }
@@ -114,9 +120,17 @@ impl ClusterCache {
 
     /// Touch every key of a request on `inst` from last to first (so the head of the prefix
     /// is the most recent), evicting least recently touched keys while over capacity.
-    pub fn touch_request(&mut self, inst: usize, keys: &[u64]) {
-        for &key in keys.iter().rev() {
-            self.touch(inst, key);
+    /// `walk` is a walk over the same keys since which only this call changed the cache (or
+    /// an empty one): its entries spare the matched prefix a second index lookup.
+    pub fn touch_request(&mut self, inst: usize, keys: &[u64], walk: &PrefixWalk) {
+        let i = inst as u32;
+        for (pos, &key) in keys.iter().enumerate().rev() {
+            let hinted = walk.entries.get(pos).and_then(|&e| self.slot_of(e, i));
+            let lru = &mut self.lrus[inst];
+            match hinted {
+                Some(slot) if lru.holds(slot, key) => lru.move_to_front(slot),
+                _ => self.touch(inst, key),
+            }
             if let Some(cap) = self.capacity {
                 while self.lrus[inst].len() > cap {
                     self.evict_one(inst);
@@ -135,28 +149,67 @@ impl ClusterCache {
         self.index.len()
     }
 
-    fn touch(&mut self, inst: usize, key: u64) {
-        let lru = &mut self.lrus[inst];
-        let i = inst as u32;
-        match self.index.get_mut(&key) {
-            Some(holders) => match holders.slot_of(i) {
-                Some(slot) => lru.move_to_front(slot),
-                None => holders.push(i, lru.push_front(key)),
-            },
-            None => {
-                self.index.insert(key, Holders::One(i, lru.push_front(key)));
-            }
+    /// `inst`'s slot in `entry`, if `inst` is among its holders. An entry kept from an
+    /// earlier walk may be stale: callers check the slot with [`Lru::holds`].
+    fn slot_of(&self, entry: Entry, inst: u32) -> Option<u32> {
+        if entry.inst == MANY {
+            let list = self.many.get(entry.slot as usize)?;
+            list.iter().find(|&&(h, _)| h == inst).map(|&(_, s)| s)
+        } else {
+            (entry.inst == inst).then_some(entry.slot)
         }
+    }
+
+    fn touch(&mut self, inst: usize, key: u64) {
+        let i = inst as u32;
+        let Some(entry) = self.index.get(key) else {
+            let slot = self.lrus[inst].push_front(key);
+            self.index.insert(key, Entry { inst: i, slot });
+            return;
+        };
+        if let Some(slot) = self.slot_of(entry, i) {
+            self.lrus[inst].move_to_front(slot);
+            return;
+        }
+        let slot = self.lrus[inst].push_front(key);
+        if entry.inst == MANY {
+            self.many[entry.slot as usize].push((i, slot));
+            return;
+        }
+        let list = vec![(entry.inst, entry.slot), (i, slot)];
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.many[at as usize] = list;
+                at
+            }
+            None => {
+                self.many.push(list);
+                u32::try_from(self.many.len() - 1).expect("more than 2^32 shared keys")
+            }
+        };
+        self.index.insert(key, Entry { inst: MANY, slot: at });
     }
 
     fn evict_one(&mut self, inst: usize) {
         let Some(victim) = self.lrus[inst].pop_back() else {
             return;
         };
-        if let Some(holders) = self.index.get_mut(&victim) {
-            if holders.remove(inst as u32) {
-                self.index.remove(&victim);
+        let i = inst as u32;
+        let Some(entry) = self.index.get_mut(victim) else {
+            return;
+        };
+        if entry.inst != MANY {
+            if entry.inst == i {
+                self.index.remove(victim);
             }
+            return;
+        }
+        let list = &mut self.many[entry.slot as usize];
+        list.retain(|&(h, _)| h != i);
+        if let [(h, s)] = list[..] {
+            list.clear();
+            self.free.push(entry.slot);
+            *entry = Entry { inst: h, slot: s };
         }
     }
 }
@@ -167,24 +220,26 @@ mod tests {
 
     #[test]
     fn one_walk_matches_per_instance_walks() {
+        let none = PrefixWalk::default();
         let mut c = ClusterCache::new(3, None);
-        c.touch_request(0, &[1, 2, 3]);
-        c.touch_request(1, &[1, 2]);
-        c.touch_request(2, &[9]);
-        let mut out = Vec::new();
-        c.matched_blocks_all(&[1, 2, 3, 4], &mut out);
-        assert_eq!(out, vec![3, 2, 0]);
-        for (i, &m) in out.iter().enumerate() {
+        c.touch_request(0, &[1, 2, 3], &PrefixWalk::default());
+        c.touch_request(1, &[1, 2], &none);
+        c.touch_request(2, &[9], &none);
+        let mut w = PrefixWalk::default();
+        c.walk(&[1, 2, 3, 4], &mut w);
+        assert_eq!(w.matched(), vec![3, 2, 0]);
+        for (i, &m) in w.matched().iter().enumerate() {
             assert_eq!(c.matched_blocks(i, &[1, 2, 3, 4]), m as usize);
         }
     }
 
     #[test]
     fn eviction_takes_the_tail_of_a_prefix_first() {
+        let none = PrefixWalk::default();
         let mut c = ClusterCache::new(1, Some(3));
-        c.touch_request(0, &[1, 2, 3]);
+        c.touch_request(0, &[1, 2, 3], &PrefixWalk::default());
         assert_eq!(c.keys_mru(0), vec![1, 2, 3]);
-        c.touch_request(0, &[7]);
+        c.touch_request(0, &[7], &none);
         assert_eq!(c.keys_mru(0), vec![7, 1, 2]);
         assert_eq!(c.matched_blocks(0, &[1, 2, 3]), 2);
         assert_eq!(c.distinct_keys(), 3);
@@ -192,16 +247,40 @@ mod tests {
 
     #[test]
     fn index_follows_evictions_on_shared_keys() {
+        let none = PrefixWalk::default();
         let mut c = ClusterCache::new(2, Some(2));
-        c.touch_request(0, &[1, 2]);
-        c.touch_request(1, &[1, 2]);
-        c.touch_request(0, &[5, 6]);
-        let mut out = Vec::new();
-        c.matched_blocks_all(&[1, 2], &mut out);
-        assert_eq!(out, vec![0, 2]);
-        c.touch_request(1, &[8]);
-        c.matched_blocks_all(&[1, 2], &mut out);
-        assert_eq!(out, vec![0, 1]);
+        c.touch_request(0, &[1, 2], &none);
+        c.touch_request(1, &[1, 2], &none);
+        c.touch_request(0, &[5, 6], &none);
+        let mut w = PrefixWalk::default();
+        c.walk(&[1, 2], &mut w);
+        assert_eq!(w.matched(), vec![0, 2]);
+        c.touch_request(1, &[8], &none);
+        c.walk(&[1, 2], &mut w);
+        assert_eq!(w.matched(), vec![0, 1]);
         assert_eq!(c.distinct_keys(), 4); // 1, 5, 6, 8
+    }
+
+    /// Touching with a walk's entries gives the same state as touching without, also when
+    /// the touch's own evictions free (and reuse) the slots and holder lists the walk saw.
+    #[test]
+    fn walk_entries_never_change_the_outcome() {
+        let mut rng = crate::rng::SplitMix64::new(7);
+        for capacity in [Some(3), Some(6), Some(20), None] {
+            let (mut hinted, mut plain) = (ClusterCache::new(3, capacity), ClusterCache::new(3, capacity));
+            let mut w = PrefixWalk::default();
+            for _ in 0..3000 {
+                let len = 1 + rng.below(8);
+                let keys: Vec<u64> = (0..len).map(|_| rng.below(12) as u64).collect();
+                let inst = rng.below(3);
+                hinted.walk(&keys, &mut w);
+                hinted.touch_request(inst, &keys, &w);
+                plain.touch_request(inst, &keys, &PrefixWalk::default());
+                for i in 0..3 {
+                    assert_eq!(hinted.keys_mru(i), plain.keys_mru(i));
+                }
+                assert_eq!(hinted.distinct_keys(), plain.distinct_keys());
+            }
+        }
     }
 }

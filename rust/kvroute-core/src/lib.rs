@@ -12,6 +12,7 @@
 pub mod cache;
 pub mod ceilings;
 pub mod error;
+mod index;
 pub mod keys;
 pub mod lru;
 pub mod picker;

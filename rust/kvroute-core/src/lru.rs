@@ -1,8 +1,8 @@
 //! One instance's LRU order over block keys, kept as touch timestamps.
 //!
 //! Each resident key has a slot (stable while it is resident, so the cluster index can point
-//! at it) holding the key and the time it was last touched. A touch only writes that stamp:
-//! no list relinking, one cache line per key. A bounded cache also appends `(slot, stamp)`
+//! at it) holding the key and the time it was last touched, side by side. A touch only writes
+//! that stamp: no list relinking, one cache line per key. A bounded cache also appends `(slot, stamp)`
 //! to a queue in touch order; eviction pops the queue's front, skipping entries that a later
 //! touch made stale, and stale entries are dropped in place when they outnumber live ones.
 //! The order is the same as a move-to-front list's: the latest stamp is the most recent.
@@ -12,12 +12,17 @@
 
 use std::collections::VecDeque;
 
+/// One resident key and its last touch; stamp 0 marks a free slot.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    key: u64,
+    stamp: u64,
+}
+
 /// LRU order over resident keys.
 #[derive(Debug, Clone)]
 pub struct Lru {
-    keys: Vec<u64>,
-    /// Last touch per slot; 0 marks a free slot.
-    stamps: Vec<u64>,
+    slots: Vec<Slot>,
     free: Vec<u32>,
     /// Touches in time order, for eviction; only kept when `evicts`.
     queue: VecDeque<(u32, u64)>,
@@ -35,15 +40,7 @@ impl Default for Lru {
 impl Lru {
     /// An empty LRU; `evicts` keeps the touch queue that [`Lru::pop_back`] needs.
     pub fn new(evicts: bool) -> Self {
-        Self {
-            keys: Vec::new(),
-            stamps: Vec::new(),
-            free: Vec::new(),
-            queue: VecDeque::new(),
-            evicts,
-            clock: 0,
-            len: 0,
-        }
+        Self { slots: Vec::new(), free: Vec::new(), queue: VecDeque::new(), evicts, clock: 0, len: 0 }
     }
 
     /// Number of resident keys.
@@ -60,13 +57,12 @@ impl Lru {
     pub fn push_front(&mut self, key: u64) -> u32 {
         let slot = match self.free.pop() {
             Some(s) => {
-                self.keys[s as usize] = key;
+                self.slots[s as usize].key = key;
                 s
             }
             None => {
-                self.keys.push(key);
-                self.stamps.push(0);
-                u32::try_from(self.keys.len() - 1).expect("more than 2^32 resident keys")
+                self.slots.push(Slot { key, stamp: 0 });
+                u32::try_from(self.slots.len() - 1).expect("more than 2^32 resident keys")
             }
         };
         self.len += 1;
@@ -74,10 +70,15 @@ impl Lru {
         slot
     }
 
+    /// Whether `key` is resident in `slot` (an out-of-range slot holds nothing).
+    pub fn holds(&self, slot: u32, key: u64) -> bool {
+        self.slots.get(slot as usize).is_some_and(|s| s.stamp != 0 && s.key == key)
+    }
+
     /// Make the key at `slot` the most recent.
     pub fn move_to_front(&mut self, slot: u32) {
         self.clock += 1;
-        self.stamps[slot as usize] = self.clock;
+        self.slots[slot as usize].stamp = self.clock;
         if self.evicts {
             self.queue.push_back((slot, self.clock));
             if self.queue.len() > 2 * self.len + 1024 {
@@ -93,11 +94,12 @@ impl Lru {
     pub fn pop_back(&mut self) -> Option<u64> {
         assert!(self.evicts, "pop_back on an LRU without eviction order");
         while let Some((slot, stamp)) = self.queue.pop_front() {
-            if self.stamps[slot as usize] == stamp {
-                self.stamps[slot as usize] = 0;
+            let s = &mut self.slots[slot as usize];
+            if s.stamp == stamp {
+                s.stamp = 0;
                 self.free.push(slot);
                 self.len -= 1;
-                return Some(self.keys[slot as usize]);
+                return Some(s.key);
             }
         }
         None
@@ -105,22 +107,15 @@ impl Lru {
 
     /// Keys from most to least recently touched (for tests and inspection).
     pub fn keys_mru(&self) -> Vec<u64> {
-        let mut live = self.live();
-        live.sort_unstable_by_key(|&(_, stamp)| std::cmp::Reverse(stamp));
-        live.into_iter().map(|(slot, _)| self.keys[slot as usize]).collect()
-    }
-
-    fn live(&self) -> Vec<(u32, u64)> {
-        (0..self.stamps.len() as u32)
-            .map(|s| (s, self.stamps[s as usize]))
-            .filter(|&(_, st)| st != 0)
-            .collect()
+        let mut live: Vec<Slot> = self.slots.iter().copied().filter(|s| s.stamp != 0).collect();
+        live.sort_unstable_by_key(|s| std::cmp::Reverse(s.stamp));
+        live.into_iter().map(|s| s.key).collect()
     }
 
     /// Drop stale queue entries (a later touch superseded them); the rest keep their order.
     fn compact(&mut self) {
-        let stamps = &self.stamps;
-        self.queue.retain(|&(slot, stamp)| stamps[slot as usize] == stamp);
+        let slots = &self.slots;
+        self.queue.retain(|&(slot, stamp)| slots[slot as usize].stamp == stamp);
     }
 }
 

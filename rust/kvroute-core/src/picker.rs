@@ -1,7 +1,7 @@
 //! The picking loop: given the instances' loads and cache hits, choose one instance.
 //!
 //! One pass over the instances per pick (plus one more for ties), O(instances). Hits come
-//! precomputed from one cluster-index walk ([`crate::cache::ClusterCache::matched_blocks_all`]).
+//! precomputed from one cluster-index walk ([`crate::cache::ClusterCache::walk`]).
 //! Pure except for the tie counter and the RNG in [`PickState`]; the router holds it under
 //! its lock.
 

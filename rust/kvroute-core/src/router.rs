@@ -8,7 +8,7 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::cache::ClusterCache;
+use crate::cache::{ClusterCache, PrefixWalk};
 use crate::error::{Error, Result};
 use crate::keys::hit_tokens;
 use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
@@ -96,7 +96,7 @@ pub struct Router {
     requests: FxHashMap<Id, InFlight>,
     affinity: FxHashMap<Id, usize>,
     state: PickState,
-    scratch: Vec<u32>,
+    walk: PrefixWalk,
 }
 
 impl Router {
@@ -118,7 +118,7 @@ impl Router {
             requests: FxHashMap::default(),
             affinity: FxHashMap::default(),
             state: PickState { rr: 0, rng: SplitMix64::new(config.seed) },
-            scratch: Vec::new(),
+            walk: PrefixWalk::default(),
             config,
         })
     }
@@ -162,14 +162,14 @@ impl Router {
         let affinity =
             session.and_then(|s| self.affinity.get(s).copied()).filter(|&a| self.loads[a].available);
         if self.policy.scores_cache() {
-            self.cache.matched_blocks_all(keys, &mut self.scratch);
+            self.cache.walk(keys, &mut self.walk);
         } else {
-            self.scratch.clear();
+            self.walk.clear();
         }
         let cache = &self.cache;
         let input = PickInput {
             loads: &self.loads,
-            matched: &self.scratch,
+            matched: self.walk.matched(),
             cached_blocks: &|i| cache.cached_blocks(i),
             input_length,
             block_size: self.config.block_size,
@@ -178,7 +178,7 @@ impl Router {
         let saved = self.state.clone();
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
             .ok_or(Error::NoInstanceAvailable)?;
-        let matched = match self.scratch.get(instance) {
+        let matched = match self.walk.matched().get(instance) {
             Some(&m) => m as usize,
             None => self.cache.matched_blocks(instance, keys),
         };
@@ -197,7 +197,7 @@ impl Router {
         load.num_requests += 1;
         load.ongoing_tokens = ongoing;
         load.pending_prefill_tokens = pending;
-        self.cache.touch_request(instance, keys);
+        self.cache.touch_request(instance, keys, &self.walk);
         if let (Some(s), true) = (session, self.uses_affinity()) {
             self.affinity.insert(s.clone(), instance);
         }
@@ -246,9 +246,12 @@ impl Router {
 
     /// Estimated cached tokens on every instance, from one index walk; reads only.
     pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
-        let mut matched = Vec::new();
-        self.cache.matched_blocks_all(keys, &mut matched);
-        matched.iter().map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length)).collect()
+        let mut walk = PrefixWalk::default();
+        self.cache.walk(keys, &mut walk);
+        walk.matched()
+            .iter()
+            .map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length))
+            .collect()
     }
 
     /// A snapshot of every instance.
