@@ -1,0 +1,117 @@
+"""Synthetic agentic traces shaped like the study's GLM-5.1 trace (``kvroute trace synth``).
+
+:func:`synthesize` writes a trace in the canonical format (:mod:`kvroute.schema`: zstd
+Parquet, block size 512 in the metadata) and returns the statistics it achieved next to
+the study's numbers (:class:`SynthStats`). Two profiles (:data:`PROFILES`):
+
+- ``agentic-glm``: the full GLM-5.1 agentic trace (2.11M requests, 1.31M sessions, ~2 h);
+  ``requests=`` scales it (sessions in proportion), so small traces are quick.
+- ``w600``: the study's w600 sample (1214 requests, 274 sessions, 53.3M input tokens,
+  sessions starting in a 600 s window).
+
+The model, its parameters and how close it gets are in ``docs/synth.md``. In short:
+
+- **Sessions** have a heavy-tailed number of turns: stratified quantiles of a distribution
+  that is 1 turn with probability ``f1`` (solved so the mean is requests/sessions),
+  log-uniform from 2 to ``body_turns`` up to quantile ``body_q``, and Pareto beyond, with
+  the exponent set so the largest of the reference session count is ``max_turns``.
+- **Contexts** are append-only: turn t+1's input is turn t's input + turn t's output + new
+  content (a tool result or a user message). A session compacts its context when it would
+  pass its limit: the input drops to a summary ("floor") and every block after the system
+  prefix is new. So turn t+1 keeps the keys of turn t's *full* blocks (or only the prefix
+  after a compaction) and gets fresh keys from there on.
+- **Keys** are a bijective 64-bit mix (splitmix64's finalizer, XOR-salted by the seed) of
+  a packed ``(domain, session, turn that first wrote the block, position)`` or
+  ``(domain, prefix id, position)``, so equal key at position i <=> equal prefix, and no
+  two different prefixes collide. Cross-session sharing comes only from prefixes: a few
+  global system prompts (Zipf popularity) and small "project" groups (2-7 sessions
+  sharing a longer prefix).
+- **Time**: session starts follow a mildly diurnal Poisson process; a turn starts one
+  service time (prefill of its new tokens + decode) plus a think gap after the previous
+  one; ``time_to_parent_chat`` is that gap (lognormal; tool results are quick, user
+  messages slow).
+
+Generation is two passes with bounded memory: pass 1 draws every per-request scalar
+(~100 bytes a request) in session order and sorts the requests by timestamp; pass 2 walks
+the requests in timestamp order in chunks of about
+:data:`~kvroute.synth.writer.CHUNK_KEYS` keys, computes each chunk's keys from the
+scalars alone (a key's writer turn comes from a per-epoch lookup table) and appends the
+chunk to the Parquet file as one row group. The keys themselves (8 bytes each, ~139M at
+full scale) are never all in memory. Deterministic: the same arguments give a
+byte-identical file.
+
+The pieces: :mod:`~kvroute.synth.profiles` (parameters and targets),
+:mod:`~kvroute.synth.sampling` and :mod:`~kvroute.synth.plan` (pass 1),
+:mod:`~kvroute.synth.keys` and :mod:`~kvroute.synth.writer` (pass 2),
+:mod:`~kvroute.synth.stats` (what was achieved).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kvroute.errors import InvalidArgumentError
+from kvroute.synth.plan import build_plan
+from kvroute.synth.profiles import BLOCK_SIZE, KV_BYTES_PER_TOKEN, PROFILES, Profile, Target
+from kvroute.synth.stats import SynthStats, plan_stats
+from kvroute.synth.writer import progress_bar, write_trace
+
+__all__ = [
+    "BLOCK_SIZE",
+    "KV_BYTES_PER_TOKEN",
+    "PROFILES",
+    "Profile",
+    "SynthStats",
+    "Target",
+    "synthesize",
+]
+
+
+def synthesize(
+    profile: str,
+    path: str | Path,
+    *,
+    requests: int | None = None,
+    seed: int = 42,
+    progress: bool = False,
+) -> SynthStats:
+    """Write a synthetic trace of ``profile`` (a key of :data:`PROFILES`) to ``path``
+    (canonical Parquet) and return what it achieved next to the profile's targets.
+
+    ``requests`` scales the profile (sessions in proportion; default: the profile's own
+    size). The same arguments always produce a byte-identical file."""
+    if profile not in PROFILES:
+        raise InvalidArgumentError(
+            f"unknown synth profile {profile!r}; profiles: {', '.join(PROFILES)}"
+        )
+    p = PROFILES[profile]
+    n_req = p.requests if requests is None else int(requests)
+    if n_req < 1:
+        raise InvalidArgumentError(f"requests must be >= 1, got {requests}")
+    if not 0 <= seed < 2**63:
+        raise InvalidArgumentError(f"seed must be in [0, 2^63), got {seed}")
+    started = time.perf_counter()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed at the end: no half-written trace on failure.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    bar = progress_bar(p.name) if progress else None
+    try:
+        if bar:
+            bar.start()
+            planning = bar.add_task("sessions, lengths, times", total=None)
+        plan, per_prefix = build_plan(p, n_req, seed)
+        if bar:
+            bar.update(planning, total=1, completed=1)
+        write_trace(plan, tmp, n_req, bar)
+        os.replace(tmp, out)
+    finally:
+        if bar:
+            bar.stop()
+        tmp.unlink(missing_ok=True)
+    stats = plan_stats(plan, per_prefix, n_req, out)
+    stats.elapsed_s = time.perf_counter() - started
+    stats.file_bytes = out.stat().st_size
+    return stats

@@ -1,0 +1,116 @@
+"""Pass 2's output: the requests in timestamp order, in chunks of about :data:`CHUNK_KEYS`
+keys, each chunk's keys computed and appended to the Parquet file as one row group (the
+keys are never all in memory), and the optional progress bar.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvroute.schema import BLOCK_SIZE_KEY, trace_schema
+from kvroute.synth.keys import chunk_keys, key_salt
+from kvroute.synth.plan import Plan
+from kvroute.synth.profiles import BLOCK_SIZE, KV_BYTES_PER_TOKEN
+
+#: Target keys per Parquet row group (pass 2 chunk); bounds the generator's working set.
+CHUNK_KEYS = 4_000_000
+MAX_CHUNK_ROWS = 262_144
+SYNTH_META_KEY = b"kvroute.synth"
+
+
+def _chunks(plan: Plan) -> list[tuple[int, int]]:
+    nk = (plan.inp[plan.order] + BLOCK_SIZE - 1) // BLOCK_SIZE
+    cum = np.cumsum(nk)
+    bounds = [0]
+    n = len(nk)
+    while bounds[-1] < n:
+        a = bounds[-1]
+        base = int(cum[a - 1]) if a else 0
+        b = int(np.searchsorted(cum, base + CHUNK_KEYS, side="right"))
+        bounds.append(min(max(b, a + 1), a + MAX_CHUNK_ROWS, n))
+    return list(itertools.pairwise(bounds))
+
+
+_TYPES = np.array(["text", "tool"])
+
+
+def progress_bar(name: str) -> Any:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn(f"synth {name}: " + "{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
+def write_trace(plan: Plan, path: Path, n_req_arg: int, bar: Any) -> None:
+    p = plan.profile
+    schema = trace_schema(ttp=True, type_column=True, block_size=BLOCK_SIZE)
+    meta = dict(schema.metadata or {})
+    meta[SYNTH_META_KEY] = json.dumps(
+        {
+            "profile": p.name,
+            "seed": plan.seed,
+            "requests": n_req_arg,
+            "sessions": len(plan.turns),
+            "duration_s": p.duration_s,
+            "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+        },
+        sort_keys=True,
+    ).encode()
+    assert meta[BLOCK_SIZE_KEY] == str(BLOCK_SIZE).encode()
+    schema = schema.with_metadata(meta)
+    salt = key_salt(plan.seed)
+    task = bar.add_task("keys + Parquet (requests)", total=len(plan.inp)) if bar else None
+    with pq.ParquetWriter(
+        path,
+        schema,
+        compression="zstd",
+        compression_level=3,
+        # Keys are random 64-bit values, but a chunk repeats many of them (a session's
+        # turns); large pages let zstd find the repeats (about -40% vs. dictionaries).
+        use_dictionary=["session_id", "turn", "type"],
+        data_page_size=8 << 20,
+        write_statistics=["request_id", "timestamp", "session_id", "turn"],
+    ) as writer:
+        for a, b in _chunks(plan):
+            rows = plan.order[a:b]
+            offsets, keys = chunk_keys(plan, rows, salt)
+            turn = plan.turn[rows]
+            batch = pa.Table.from_arrays(
+                [
+                    pa.array(np.arange(a, b, dtype=np.int64)),
+                    pa.array(plan.ts[rows]),
+                    pa.array(plan.sid[plan.sess[rows]]),
+                    pa.array(turn.astype(np.int32)),
+                    pa.array(plan.inp[rows]),
+                    pa.array(plan.out[rows]),
+                    pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(keys)),
+                    pa.array(plan.ttp[rows], pa.float64(), mask=turn == 0),
+                    pa.array(_TYPES[plan.is_tool[rows].astype(np.int64)], pa.string()),
+                ],
+                schema=schema,
+            )
+            writer.write_table(batch, row_group_size=b - a)
+            if bar:
+                bar.update(task, advance=b - a)
