@@ -49,7 +49,7 @@ impl PrefixWalk {
 /// Per-instance LRU caches of block keys with a shared reverse index.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterCache {
-    index: KeyIndex,
+    index: KeyIndex<Entry>,
     /// Holder lists `(inst, slot)` of keys with several holders; `free` lists unused ones.
     many: Vec<Vec<(u32, u32)>>,
     free: Vec<u32>,
@@ -124,7 +124,12 @@ impl ClusterCache {
     /// an empty one): its entries spare the matched prefix a second index lookup.
     pub fn touch_request(&mut self, inst: usize, keys: &[u64], walk: &PrefixWalk) {
         let i = inst as u32;
+        let walked = walk.entries.len();
         for (pos, &key) in keys.iter().enumerate().rev() {
+            // Keys past the walk (new to the cluster, mostly) need a lookup: start it early.
+            if let Some(ahead) = pos.checked_sub(PREFETCH_AHEAD).filter(|&p| p >= walked) {
+                self.index.prefetch(keys[ahead]);
+            }
             let hinted = walk.entries.get(pos).and_then(|&e| self.slot_of(e, i));
             let lru = &mut self.lrus[inst];
             match hinted {

@@ -1,19 +1,38 @@
-//! The cluster cache's key index: an open-addressing hash map from a block key to one
-//! [`Entry`], with linear probing, backward-shift deletion (no tombstones) and a load factor
-//! of at most 1/2.
+//! Block-key indexes: an open-addressing hash map from a block key to a small `Copy` value
+//! (the router's [`Entry`], the simulated engines' entry slots), with linear probing,
+//! backward-shift deletion (no tombstones) and a load factor of at most 1/2.
 //!
-//! A general-purpose map would do, but the index is where a request's walk spends its time:
-//! one cache miss per key of the request. This map can [`KeyIndex::prefetch`] the bucket of a
-//! key the walk will look up a few positions later, so those misses overlap. Buckets are 16
+//! A general-purpose map would do, but these indexes are where a request's walk over its keys
+//! spends its time: one cache miss per key. This map can [`KeyIndex::prefetch`] the bucket of
+//! a key a walk will look up a few positions later, so those misses overlap. Buckets are 16
 //! bytes (four per cache line) and keys are placed by Fibonacci hashing, so that small or
 //! sequential keys spread as well as real (already hashed) block keys do.
 //!
 //! Lookup, insert and remove O(1) expected; growth doubles the table. Not synchronised.
 
+/// Hint the CPU to start loading the cache line of `value` (no effect off x86_64).
+#[inline]
+pub(crate) fn prefetch<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing architecturally and cannot fault; the pointer comes
+    // from a reference anyway. SSE is part of the x86_64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>((value as *const T).cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
+}
+
+/// A value an index can store: one value is reserved to mark empty buckets.
+pub(crate) trait IndexValue: Copy + PartialEq + std::fmt::Debug {
+    /// The reserved value; never stored.
+    const VACANT: Self;
+}
+
 /// `Entry::inst` of an empty bucket.
 pub(crate) const VACANT: u32 = u32::MAX - 1;
 
-/// What the index stores per key: an instance and a slot (their meaning is the cache's).
+/// The router's value per key: an instance and a slot (their meaning is the cache's).
 /// `inst` must not be `u32::MAX - 1`, which marks empty buckets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
@@ -21,33 +40,42 @@ pub(crate) struct Entry {
     pub slot: u32,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Bucket {
-    key: u64,
-    entry: Entry,
+impl IndexValue for Entry {
+    const VACANT: Self = Entry { inst: VACANT, slot: 0 };
 }
 
-const EMPTY: Bucket = Bucket { key: 0, entry: Entry { inst: VACANT, slot: 0 } };
+/// A slot number; `u32::MAX` is reserved.
+impl IndexValue for u32 {
+    const VACANT: Self = u32::MAX;
+}
 
-/// Map `u64 -> Entry`.
+#[derive(Debug, Clone, Copy)]
+struct Bucket<V> {
+    key: u64,
+    entry: V,
+}
+
+/// Map `u64 -> V`.
 #[derive(Debug, Clone)]
-pub(crate) struct KeyIndex {
-    buckets: Vec<Bucket>,
+pub(crate) struct KeyIndex<V: IndexValue> {
+    buckets: Vec<Bucket<V>>,
     /// `64 - log2(buckets.len())`: a key's home is the top bits of its Fibonacci hash.
     shift: u32,
     len: usize,
 }
 
-impl Default for KeyIndex {
+impl<V: IndexValue> Default for KeyIndex<V> {
     fn default() -> Self {
         Self::with_buckets(16)
     }
 }
 
-impl KeyIndex {
+impl<V: IndexValue> KeyIndex<V> {
+    const EMPTY: Bucket<V> = Bucket { key: 0, entry: V::VACANT };
+
     fn with_buckets(n: usize) -> Self {
         debug_assert!(n.is_power_of_two() && n >= 2);
-        Self { buckets: vec![EMPTY; n], shift: 64 - n.trailing_zeros(), len: 0 }
+        Self { buckets: vec![Self::EMPTY; n], shift: 64 - n.trailing_zeros(), len: 0 }
     }
 
     /// Number of keys.
@@ -69,7 +97,7 @@ impl KeyIndex {
         let mut i = self.home(key);
         loop {
             let b = &self.buckets[i];
-            if b.entry.inst == VACANT {
+            if b.entry == V::VACANT {
                 return (i, false);
             }
             if b.key == key {
@@ -82,38 +110,44 @@ impl KeyIndex {
     /// Hint the CPU to start loading the bucket where a lookup of `key` begins.
     #[inline]
     pub fn prefetch(&self, key: u64) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let bucket: *const Bucket = &self.buckets[self.home(key)];
-            // SAFETY: a prefetch reads nothing architecturally and cannot fault; the pointer
-            // is in bounds anyway. SSE is part of the x86_64 baseline.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bucket.cast()) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
+        prefetch(&self.buckets[self.home(key)]);
     }
 
-    /// The entry of `key`.
-    pub fn get(&self, key: u64) -> Option<Entry> {
+    /// The value of `key`.
+    pub fn get(&self, key: u64) -> Option<V> {
         let (i, found) = self.find(key);
         found.then(|| self.buckets[i].entry)
     }
 
-    /// The entry of `key`, to change in place.
-    pub fn get_mut(&mut self, key: u64) -> Option<&mut Entry> {
+    /// The value of `key`, to change in place.
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut V> {
         let (i, found) = self.find(key);
         found.then(|| &mut self.buckets[i].entry)
     }
 
-    /// Set the entry of `key` (inserting it if absent).
-    pub fn insert(&mut self, key: u64, entry: Entry) {
-        debug_assert!(entry.inst != VACANT);
+    /// Set the value of `key` (inserting it if absent).
+    pub fn insert(&mut self, key: u64, entry: V) {
+        debug_assert!(entry != V::VACANT);
         if 2 * (self.len + 1) > self.buckets.len() {
             self.grow();
         }
         let (i, found) = self.find(key);
         self.buckets[i] = Bucket { key, entry };
         self.len += usize::from(!found);
+    }
+
+    /// Insert `key` with `value` unless it is present; returns whether it was inserted.
+    pub fn insert_new(&mut self, key: u64, entry: V) -> bool {
+        debug_assert!(entry != V::VACANT);
+        if 2 * (self.len + 1) > self.buckets.len() {
+            self.grow();
+        }
+        let (i, found) = self.find(key);
+        if !found {
+            self.buckets[i] = Bucket { key, entry };
+            self.len += 1;
+        }
+        !found
     }
 
     /// Remove `key`; returns whether it was there.
@@ -129,7 +163,7 @@ impl KeyIndex {
         loop {
             j = (j + 1) & mask;
             let b = self.buckets[j];
-            if b.entry.inst == VACANT {
+            if b.entry == V::VACANT {
                 break;
             }
             let home = self.home(b.key);
@@ -138,14 +172,14 @@ impl KeyIndex {
                 hole = j;
             }
         }
-        self.buckets[hole] = EMPTY;
+        self.buckets[hole] = Self::EMPTY;
         self.len -= 1;
         true
     }
 
     fn grow(&mut self) {
         let old = std::mem::replace(self, Self::with_buckets(self.buckets.len() * 2));
-        for b in old.buckets.into_iter().filter(|b| b.entry.inst != VACANT) {
+        for b in old.buckets.into_iter().filter(|b| b.entry != V::VACANT) {
             let (i, _) = self.find(b.key);
             self.buckets[i] = b;
         }
@@ -165,11 +199,16 @@ mod tests {
     fn agrees_with_a_std_map() {
         let mut rng = SplitMix64::new(3);
         for key_range in [8u64, 40, 1000] {
-            let (mut ours, mut std_map) = (KeyIndex::default(), HashMap::new());
+            let (mut ours, mut std_map) = (KeyIndex::<Entry>::default(), HashMap::new());
             for step in 0..20_000u32 {
                 let key = rng.below(key_range as usize) as u64;
-                match rng.below(3) {
-                    0 | 1 => {
+                match rng.below(4) {
+                    0 => {
+                        let e = Entry { inst: step % 5, slot: step };
+                        assert_eq!(ours.insert_new(key, e), !std_map.contains_key(&key));
+                        std_map.entry(key).or_insert(e);
+                    }
+                    1 | 2 => {
                         let e = Entry { inst: step % 7, slot: step };
                         ours.insert(key, e);
                         std_map.insert(key, e);
@@ -188,7 +227,7 @@ mod tests {
 
     #[test]
     fn key_zero_and_max_are_ordinary_keys() {
-        let mut ix = KeyIndex::default();
+        let mut ix = KeyIndex::<Entry>::default();
         ix.insert(0, Entry { inst: 1, slot: 2 });
         ix.insert(u64::MAX, Entry { inst: 3, slot: 4 });
         assert_eq!(ix.get(0), Some(Entry { inst: 1, slot: 2 }));

@@ -12,6 +12,8 @@
 
 use std::collections::VecDeque;
 
+use crate::index::prefetch;
+
 /// One resident key and its last touch; stamp 0 marks a free slot.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
@@ -97,9 +99,14 @@ impl Lru {
             let s = &mut self.slots[slot as usize];
             if s.stamp == stamp {
                 s.stamp = 0;
+                let key = s.key;
                 self.free.push(slot);
                 self.len -= 1;
-                return Some(s.key);
+                // The next pop reads the slot at the queue's front: start loading it.
+                if let Some(&(next, _)) = self.queue.front() {
+                    prefetch(&self.slots[next as usize]);
+                }
+                return Some(key);
             }
         }
         None

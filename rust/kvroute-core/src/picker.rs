@@ -1,6 +1,7 @@
 //! The picking loop: given the instances' loads and cache hits, choose one instance.
 //!
-//! One pass over the instances per pick (plus one more for ties), O(instances). Hits come
+//! One pass over the instances per pick (plus one more for ties), O(instances); `unified`
+//! reads the average load for its gate from the router's running totals. Hits come
 //! precomputed from one cluster-index walk ([`crate::cache::ClusterCache::walk`]).
 //! Pure except for the tie counter and the RNG in [`PickState`]; the router holds it under
 //! its lock.
@@ -72,6 +73,8 @@ pub(crate) struct PickInput<'a> {
     pub block_size: u64,
     /// The session's affinity instance, if it is available.
     pub affinity: Option<usize>,
+    /// Σ num_requests and the count, over the available instances.
+    pub available_totals: (u64, u64),
 }
 
 /// The mutable part of picking: the tie counter and the seeded RNG.
@@ -184,8 +187,11 @@ pub(crate) fn pick(
 
 /// `unified`'s affinity gate: warm enough and not overloaded.
 fn unified_gate(p: &PolicyParams, input: &PickInput<'_>, a: usize) -> bool {
-    let (sum, count) =
-        input.available().fold((0u64, 0u64), |(s, c), i| (s + input.loads[i].num_requests, c + 1));
+    let (sum, count) = input.available_totals;
+    debug_assert_eq!(
+        (sum, count),
+        input.available().fold((0, 0), |(s, c), i| (s + input.loads[i].num_requests, c + 1))
+    );
     let avg = (sum as f64 / count.max(1) as f64).max(1.0);
     let hit = input.input_length - input.new_prefill(a);
     let ratio = hit as f64 / input.input_length.max(1) as f64;

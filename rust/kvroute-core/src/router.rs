@@ -97,6 +97,9 @@ pub struct Router {
     affinity: FxHashMap<Id, usize>,
     state: PickState,
     walk: PrefixWalk,
+    /// Σ num_requests and the number of instances, over the available instances (kept up to
+    /// date, so `unified`'s gate reads the average in O(1)).
+    available_totals: (u64, u64),
 }
 
 impl Router {
@@ -119,6 +122,7 @@ impl Router {
             affinity: FxHashMap::default(),
             state: PickState { rr: 0, rng: SplitMix64::new(config.seed) },
             walk: PrefixWalk::default(),
+            available_totals: (0, num_instances as u64),
             config,
         })
     }
@@ -174,6 +178,7 @@ impl Router {
             input_length,
             block_size: self.config.block_size,
             affinity,
+            available_totals: self.available_totals,
         };
         let saved = self.state.clone();
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
@@ -195,6 +200,7 @@ impl Router {
             )));
         };
         load.num_requests += 1;
+        self.available_totals.0 += 1; // a picked instance is available
         load.ongoing_tokens = ongoing;
         load.pending_prefill_tokens = pending;
         self.cache.touch_request(instance, keys, &self.walk);
@@ -228,6 +234,9 @@ impl Router {
         };
         let load = &mut self.loads[r.instance];
         load.num_requests -= 1;
+        if load.available {
+            self.available_totals.0 -= 1;
+        }
         load.ongoing_tokens -= r.input_length;
         if r.first_token_seen {
             load.ongoing_decode_tokens -= r.input_length;
@@ -267,13 +276,25 @@ impl Router {
     /// requests, counters and cache model stay until those requests finish.
     pub fn set_available(&mut self, instance: i64, available: bool) -> Result<()> {
         let i = self.check_instance(instance)?;
-        self.loads[i].available = available;
+        let load = &mut self.loads[i];
+        if load.available != available {
+            let (sum, count) = &mut self.available_totals;
+            if available {
+                *sum += load.num_requests;
+                *count += 1;
+            } else {
+                *sum -= load.num_requests;
+                *count -= 1;
+            }
+            load.available = available;
+        }
         Ok(())
     }
 
     /// Add an available instance with an empty cache; returns its index.
     pub fn add_instance(&mut self) -> usize {
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
+        self.available_totals.1 += 1;
         self.cache.add_instance()
     }
 

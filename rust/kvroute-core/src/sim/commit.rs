@@ -80,6 +80,9 @@ impl Engine<'_> {
         let (bs, kb) = (self.p.block_size, self.p.kv_block_size);
         let r = &mut self.slab[h as usize];
         while r.next_reg < r.keys.len() {
+            if let Some(&ahead) = r.keys.get(r.next_reg + 8) {
+                self.kv.prefetch(ahead);
+            }
             let i = r.next_reg as u64;
             let end = ((i + 1) * bs).min(r.input);
             if end > r.computed {

@@ -10,10 +10,11 @@
 //!
 //! Accounting: `pinned` (private + referenced entries) + `cached` (free entries) + empty =
 //! total. New blocks come from empty ones first, then by evicting free entries, LRU first.
-//! Every operation is O(1) per key touched; an entry map lookup per key. Not synchronised:
+//! Every operation is O(1) per key touched; an entry map lookup per key (a
+//! [`KeyIndex`], prefetched ahead during lookups). Not synchronised:
 //! owned by one engine.
 
-use rustc_hash::FxHashMap;
+use crate::index::{prefetch, KeyIndex};
 
 const NIL: u32 = u32::MAX;
 
@@ -32,7 +33,7 @@ pub struct KvPool {
     total: u64,
     pinned: u64,
     cached: u64,
-    map: FxHashMap<u64, u32>,
+    map: KeyIndex<u32>,
     entries: Vec<Entry>,
     free_slots: Vec<u32>,
     /// LRU of unreferenced entries: `head` most recent, `tail` evicted first.
@@ -58,7 +59,7 @@ impl KvPool {
             total,
             pinned: 0,
             cached: 0,
-            map: FxHashMap::default(),
+            map: KeyIndex::default(),
             entries: Vec::new(),
             free_slots: Vec::new(),
             head: NIL,
@@ -101,8 +102,11 @@ impl KvPool {
     pub fn lookup(&self, keys: &[u64], slots: &mut Vec<u32>) -> Lookup {
         slots.clear();
         let mut out = Lookup { hits: 0, unpinned_blocks: 0 };
-        for k in keys {
-            let Some(&slot) = self.map.get(k) else { break };
+        for (pos, &k) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(pos + 8) {
+                self.map.prefetch(ahead);
+            }
+            let Some(slot) = self.map.get(k) else { break };
             let e = &self.entries[slot as usize];
             if e.refs == 0 {
                 out.unpinned_blocks += u64::from(e.blocks);
@@ -111,6 +115,11 @@ impl KvPool {
             out.hits += 1;
         }
         out
+    }
+
+    /// Start loading the map bucket of `key` (a lookup or register of it follows soon).
+    pub fn prefetch(&self, key: u64) {
+        self.map.prefetch(key);
     }
 
     /// Reference the entries at `slots` (from a [`lookup`](Self::lookup) just before),
@@ -149,21 +158,22 @@ impl KvPool {
     /// the request references. Returns the slot, or None when `key` is already resident
     /// (the blocks stay private, as a duplicate block in vLLM is not cached).
     pub fn register(&mut self, key: u64, blocks: u32) -> Option<u32> {
-        if self.map.contains_key(&key) {
+        let slot = match self.free_slots.last() {
+            Some(&s) => s,
+            None => u32::try_from(self.entries.len())
+                .ok()
+                .filter(|&s| s != NIL)
+                .expect("fewer than 2^32 - 1 cached keys"),
+        };
+        if !self.map.insert_new(key, slot) {
             return None;
         }
         let e = Entry { key, blocks, refs: 1, prev: NIL, next: NIL };
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.entries[s as usize] = e;
-                s
-            }
-            None => {
-                self.entries.push(e);
-                u32::try_from(self.entries.len() - 1).expect("fewer than 2^32 cached keys")
-            }
-        };
-        self.map.insert(key, slot);
+        if self.free_slots.pop().is_some() {
+            self.entries[slot as usize] = e;
+        } else {
+            self.entries.push(e);
+        }
         Some(slot)
     }
 
@@ -171,7 +181,10 @@ impl KvPool {
     /// order) lose a reference, and those left unreferenced enter the LRU last key first.
     pub fn release(&mut self, held: &[u32], private: u64) {
         self.pinned -= private;
-        for &slot in held.iter().rev() {
+        for (pos, &slot) in held.iter().enumerate().rev() {
+            if let Some(&ahead) = pos.checked_sub(8).map(|p| &held[p]) {
+                prefetch(&self.entries[ahead as usize]);
+            }
             let e = &mut self.entries[slot as usize];
             e.refs -= 1;
             if e.refs == 0 {
@@ -200,8 +213,12 @@ impl KvPool {
         self.unlink(slot);
         let e = &self.entries[slot as usize];
         self.cached -= u64::from(e.blocks);
-        self.map.remove(&e.key);
+        self.map.remove(e.key);
         self.free_slots.push(slot);
+        // The next victim's entry is in cache now (unlink touched it); start on its bucket.
+        if self.tail != NIL {
+            self.map.prefetch(self.entries[self.tail as usize].key);
+        }
         self.evictions += 1;
     }
 
