@@ -112,6 +112,17 @@ def test_runs_are_deterministic_for_a_seed(trace: pa.Table) -> None:
     assert not a.records.column("send").equals(c.records.column("send"))
 
 
+def test_chunked_keys_give_the_same_run(trace: pa.Table) -> None:
+    """A trace in several (sliced) Arrow chunks runs exactly as the same trace in one."""
+    cuts = [0, 5, 6, 20, trace.num_rows]
+    chunked = pa.concat_tables([trace.slice(a, b - a) for a, b in itertools.pairwise(cuts)])
+    assert chunked.column("hash_ids").num_chunks == 4
+    one = ks.simulate(trace.combine_chunks(), instances=3, mode="tracets")
+    many = ks.simulate(chunked, instances=3, mode="tracets")
+    assert many.records.equals(one.records)
+    assert many.summary == one.summary
+
+
 def test_closed_form_matches_step_by_step(trace: pa.Table) -> None:
     a = ks.simulate(trace, policy="leastwork", mode="thinktime")
     b = ks.simulate(trace, policy="leastwork", mode="thinktime", closed_form=False)

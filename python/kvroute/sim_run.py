@@ -89,11 +89,17 @@ def trace_columns(table: pa.Table) -> dict[str, Any]:
     if n == 0:
         raise InvalidArgumentError("the trace has no requests")
     sess = table.column("session_id").combine_chunks().dictionary_encode()
-    keys = table.column("hash_ids").combine_chunks()
-    offsets = np.asarray(keys.offsets, dtype=np.int64)
-    values = np.asarray(keys.flatten().to_numpy(zero_copy_only=False))
-    if values.dtype != np.uint64:
-        values = values.view(np.uint64) if values.dtype == np.int64 else values.astype(np.uint64)
+    # The keys stay in Arrow's chunks (no 1-GB concatenation at full scale); the offsets are
+    # rebased so that they index the chunks laid end to end.
+    chunks, offsets, base = [], [np.zeros(1, np.int64)], 0
+    for chunk in table.column("hash_ids").chunks:
+        off = np.asarray(chunk.offsets, dtype=np.int64)
+        values = np.asarray(chunk.flatten().to_numpy(zero_copy_only=False))
+        if values.dtype != np.uint64:
+            values = values.view(np.uint64) if values.dtype == np.int64 else values.astype(np.uint64)
+        chunks.append(np.ascontiguousarray(values))
+        offsets.append(off[1:] - off[0] + base)
+        base += len(values)
     ttp = None
     if "time_to_parent_chat" in table.column_names:
         col = table.column("time_to_parent_chat").combine_chunks()
@@ -104,8 +110,8 @@ def trace_columns(table: pa.Table) -> dict[str, Any]:
         "turn": np.ascontiguousarray(table.column("turn").to_numpy(), dtype=np.int32),
         "input_length": np.ascontiguousarray(table.column("input_length").to_numpy(), np.int64),
         "output_length": np.ascontiguousarray(table.column("output_length").to_numpy(), np.int64),
-        "offsets": np.ascontiguousarray(offsets - offsets[0]),
-        "keys": np.ascontiguousarray(values),
+        "offsets": np.concatenate(offsets),
+        "keys": chunks,
         "ttp": ttp,
         "block_size": block_size_of(table),
     }

@@ -13,7 +13,7 @@ use crate::worker::run_interruptible;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvroute_core::sim::{
-    run_many, EngineParams, Mode, PreparedTrace, RouterCache, RunConfig, SimOutput, SimTrace,
+    run_many, EngineParams, KeyChunks, Mode, PreparedTrace, RouterCache, RunConfig, SimOutput, SimTrace,
 };
 use kvroute_core::{Policy, PolicyParams};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
@@ -94,7 +94,7 @@ struct Columns<'py> {
     inp: PyReadonlyArray1<'py, i64>,
     out: PyReadonlyArray1<'py, i64>,
     off: PyReadonlyArray1<'py, i64>,
-    keys: PyReadonlyArray1<'py, u64>,
+    keys: Vec<PyReadonlyArray1<'py, u64>>,
     ttp: Option<PyReadonlyArray1<'py, f64>>,
     block_size: u64,
 }
@@ -122,7 +122,7 @@ fn view<'a>(py: Python<'_>, c: &'a Columns<'_>) -> PyResult<SimTrace<'a>> {
         input_length: slice(py, &c.inp, "input_length")?,
         output_length: slice(py, &c.out, "output_length")?,
         offsets: slice(py, &c.off, "offsets")?,
-        keys: slice(py, &c.keys, "keys")?,
+        keys: KeyChunks::new(c.keys.iter().map(|k| slice(py, k, "hash_ids")).collect::<PyResult<_>>()?),
         ttp: c.ttp.as_ref().map(|t| slice(py, t, "time_to_parent_chat")).transpose()?,
         block_size: c.block_size,
     })

@@ -39,4 +39,4 @@ pub use live::{LiveEngine, LiveEvent};
 pub use output::{Records, RunStats, Series, SimOutput};
 pub use params::EngineParams;
 pub use sweep::{run_many, PreparedTrace};
-pub use trace::{Sessions, SimTrace};
+pub use trace::{KeyChunks, Sessions, SimTrace};

@@ -78,7 +78,7 @@ fn view(o: &Owned) -> SimTrace<'_> {
         input_length: &o.inp,
         output_length: &o.out,
         offsets: &o.off,
-        keys: &o.keys,
+        keys: KeyChunks::new(vec![&o.keys]),
         ttp: Some(&o.ttp),
         block_size: 512,
     }

@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 
 /// Columns of a canonical trace (`docs/trace-format.md`), one entry per request (row).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SimTrace<'a> {
     /// Seconds.
     pub timestamp: &'a [f64],
@@ -17,7 +17,8 @@ pub struct SimTrace<'a> {
     pub output_length: &'a [i64],
     /// `keys[offsets[i]..offsets[i+1]]` are row i's keys; `offsets.len() == rows + 1`.
     pub offsets: &'a [i64],
-    pub keys: &'a [u64],
+    /// All rows' keys, end to end, in one or more chunks (as Arrow reads them).
+    pub keys: KeyChunks<'a>,
     /// `time_to_parent_chat` (NaN where null), when the trace has the column.
     pub ttp: Option<&'a [f64]>,
     /// Tokens per key.
@@ -37,7 +38,7 @@ impl<'a> SimTrace<'a> {
 
     /// Row `i`'s keys.
     pub fn keys_of(&self, i: usize) -> &'a [u64] {
-        &self.keys[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+        self.keys.range(self.offsets[i] as usize, self.offsets[i + 1] as usize)
     }
 
     /// Check lengths and values; errors name the column.
@@ -63,6 +64,11 @@ impl<'a> SimTrace<'a> {
             || self.offsets.last().is_some_and(|&o| o as usize != self.keys.len())
         {
             return bad("trace hash_ids offsets are not a valid list layout".into());
+        }
+        if let Some(i) = (0..n)
+            .find(|&i| !self.keys.is_within_a_chunk(self.offsets[i] as usize, self.offsets[i + 1] as usize))
+        {
+            return bad(format!("trace row {i}: hash_ids span two key chunks"));
         }
         if self.block_size == 0 {
             return bad("trace block size must be positive".into());
@@ -144,5 +150,59 @@ impl Sessions {
     /// Session s's rows in send order.
     pub fn rows_of(&self, s: u32) -> &[u32] {
         &self.rows[self.start[s as usize] as usize..self.start[s as usize + 1] as usize]
+    }
+}
+
+/// Key chunks seen as one sequence; a row's keys lie within one chunk. Finding a range is a
+/// binary search over the chunks.
+#[derive(Debug, Clone, Default)]
+pub struct KeyChunks<'a> {
+    chunks: Vec<&'a [u64]>,
+    /// `starts[c]`: position of chunk `c`'s first key; one more entry for the total.
+    starts: Vec<usize>,
+}
+
+impl<'a> KeyChunks<'a> {
+    /// The chunks, in order.
+    pub fn new(chunks: Vec<&'a [u64]>) -> Self {
+        let mut starts = vec![0];
+        starts.extend(chunks.iter().scan(0, |total, c| {
+            *total += c.len();
+            Some(*total)
+        }));
+        Self { chunks, starts }
+    }
+
+    /// Total number of keys.
+    pub fn len(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// Whether there are no keys.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn chunk_of(&self, start: usize) -> usize {
+        self.starts
+            .partition_point(|&s| s <= start)
+            .saturating_sub(1)
+            .min(self.chunks.len().saturating_sub(1))
+    }
+
+    fn is_within_a_chunk(&self, start: usize, end: usize) -> bool {
+        start == end || {
+            let c = self.chunk_of(start);
+            end <= self.starts[c + 1]
+        }
+    }
+
+    /// Keys `start..end` (within one chunk, as [`SimTrace::validate`] checks).
+    pub fn range(&self, start: usize, end: usize) -> &'a [u64] {
+        if start == end {
+            return &[];
+        }
+        let c = self.chunk_of(start);
+        &self.chunks[c][start - self.starts[c]..end - self.starts[c]]
     }
 }
