@@ -18,7 +18,7 @@ import kvroute
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy import PROXY, ProxyConfig, ServerThread, proxy_app
 from kvroute.proxy.keys import Keyer, approx_keys
-from kvroute.proxy.prompts import BadRequest, completion_prompt, render_chat
+from kvroute.proxy.prompts import BadRequest, completion_prompt, parse_body, render_chat
 from livekit import MODEL, Stack, http, sse_events, wait_until
 
 # -- keys and prompts -----------------------------------------------------------------------
@@ -32,6 +32,34 @@ def test_completion_prompt_forms() -> None:
     for bad in ({}, {"prompt": 3}, {"prompt": []}, {"prompt": [None]}, {"prompt": [[]]}):
         with pytest.raises(BadRequest):
             completion_prompt(bad)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [1, 2, 3], "stream": true}',
+        b'{"prompt": "x", "temperature": NaN}',
+        '{"prompt": "caf\u00e9 \u2603"}'.encode(),
+        b'{"a": 1, "a": 2}',
+    ],
+)
+def test_parse_body_equals_json(raw: bytes) -> None:
+    got, want = parse_body(raw), json.loads(raw)
+    assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+
+
+@pytest.mark.parametrize("first", ["1", "123456789012345678901234567890"])
+def test_token_ids_beyond_64_bits_are_refused(first: str) -> None:
+    # orjson reads such integers as floats, json as ints: the prompt is refused either way.
+    body = parse_body(f'{{"prompt": [{first}, 123456789012345678901234567890]}}'.encode())
+    with pytest.raises(BadRequest):
+        asyncio.run(Keyer("approx", 16).keys(body, chat=False))
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'{"a": 1}x', b"\xff\xfe"])
+def test_parse_body_refuses_what_json_refuses(raw: bytes) -> None:
+    with pytest.raises(BadRequest):
+        parse_body(raw)
 
 
 def test_chat_rendering_is_prefix_stable() -> None:

@@ -95,9 +95,9 @@ def trace_columns(table: pa.Table) -> dict[str, Any]:
     for chunk in table.column("hash_ids").chunks:
         off = np.asarray(chunk.offsets, dtype=np.int64)
         values = np.asarray(chunk.flatten().to_numpy(zero_copy_only=False))
-        if values.dtype != np.uint64:
-            values = values.view(np.uint64) if values.dtype == np.int64 else values.astype(np.uint64)
-        chunks.append(np.ascontiguousarray(values))
+        if values.dtype == np.int64:
+            values = values.view(np.uint64)
+        chunks.append(np.ascontiguousarray(values, dtype=np.uint64))
         offsets.append(off[1:] - off[0] + base)
         base += len(values)
     ttp = None
