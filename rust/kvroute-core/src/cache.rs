@@ -124,11 +124,18 @@ impl ClusterCache {
     /// an empty one): its entries spare the matched prefix a second index lookup.
     pub fn touch_request(&mut self, inst: usize, keys: &[u64], walk: &PrefixWalk) {
         let i = inst as u32;
-        let walked = walk.entries.len();
+        // Start early on what a key a few positions on will need: its slot on `inst` when the
+        // walk found it there, else (new to the cluster, mostly) its index bucket.
+        let prefetch = |cache: &Self, pos: usize| match walk.entries.get(pos) {
+            Some(&e) if e.inst == i => cache.lrus[inst].prefetch_slot(e.slot),
+            Some(_) => {}
+            None => cache.index.prefetch(keys[pos]),
+        };
+        let n = keys.len();
+        (n.saturating_sub(PREFETCH_AHEAD)..n).for_each(|pos| prefetch(self, pos));
         for (pos, &key) in keys.iter().enumerate().rev() {
-            // Keys past the walk (new to the cluster, mostly) need a lookup: start it early.
-            if let Some(ahead) = pos.checked_sub(PREFETCH_AHEAD).filter(|&p| p >= walked) {
-                self.index.prefetch(keys[ahead]);
+            if let Some(ahead) = pos.checked_sub(PREFETCH_AHEAD) {
+                prefetch(self, ahead);
             }
             let hinted = walk.entries.get(pos).and_then(|&e| self.slot_of(e, i));
             let lru = &mut self.lrus[inst];

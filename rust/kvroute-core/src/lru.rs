@@ -77,6 +77,13 @@ impl Lru {
         self.slots.get(slot as usize).is_some_and(|s| s.stamp != 0 && s.key == key)
     }
 
+    /// Start loading `slot`'s cache line (a touch of it follows soon).
+    pub fn prefetch_slot(&self, slot: u32) {
+        if let Some(s) = self.slots.get(slot as usize) {
+            prefetch(s);
+        }
+    }
+
     /// Make the key at `slot` the most recent.
     pub fn move_to_front(&mut self, slot: u32) {
         self.clock += 1;
