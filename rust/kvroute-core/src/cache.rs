@@ -39,6 +39,11 @@ impl PrefixWalk {
         &self.matched
     }
 
+    /// Move the walked entries out (all a touch needs), leaving this walk empty.
+    pub fn take_entries(&mut self) -> PrefixWalk {
+        PrefixWalk { matched: Vec::new(), entries: std::mem::take(&mut self.entries) }
+    }
+
     /// Forget the last walk (a touch then looks every key up).
     pub fn clear(&mut self) {
         self.matched.clear();

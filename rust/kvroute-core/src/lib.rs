@@ -9,6 +9,7 @@
 //!
 //! The rules are those of the project's semantics page (`docs/semantics.md`).
 
+mod background;
 pub mod cache;
 pub mod ceilings;
 pub mod error;

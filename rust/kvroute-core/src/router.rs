@@ -8,6 +8,7 @@
 
 use rustc_hash::FxHashMap;
 
+use crate::background::CacheCell;
 use crate::cache::{ClusterCache, PrefixWalk};
 use crate::error::{Error, Result};
 use crate::keys::hit_tokens;
@@ -92,7 +93,7 @@ pub struct Router {
     policy: Policy,
     config: RouterConfig,
     loads: Vec<InstanceLoad>,
-    cache: ClusterCache,
+    cache: CacheCell,
     requests: FxHashMap<Id, InFlight>,
     affinity: FxHashMap<Id, usize>,
     state: PickState,
@@ -117,7 +118,7 @@ impl Router {
         Ok(Self {
             policy,
             loads: vec![InstanceLoad { available: true, ..InstanceLoad::default() }; num_instances],
-            cache: ClusterCache::new(num_instances, config.cache_capacity_blocks),
+            cache: CacheCell::new(ClusterCache::new(num_instances, config.cache_capacity_blocks)),
             requests: FxHashMap::default(),
             affinity: FxHashMap::default(),
             state: PickState { rr: 0, rng: SplitMix64::new(config.seed) },
@@ -165,12 +166,12 @@ impl Router {
         }
         let affinity =
             session.and_then(|s| self.affinity.get(s).copied()).filter(|&a| self.loads[a].available);
+        let cache = self.cache.lock();
         if self.policy.scores_cache() {
-            self.cache.walk(keys, &mut self.walk);
+            cache.walk(keys, &mut self.walk);
         } else {
             self.walk.clear();
         }
-        let cache = &self.cache;
         let input = PickInput {
             loads: &self.loads,
             matched: self.walk.matched(),
@@ -185,8 +186,9 @@ impl Router {
             .ok_or(Error::NoInstanceAvailable)?;
         let matched = match self.walk.matched().get(instance) {
             Some(&m) => m as usize,
-            None => self.cache.matched_blocks(instance, keys),
+            None => cache.matched_blocks(instance, keys),
         };
+        drop(cache);
         let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
         let new_prefill = input_length - hit;
         let load = &mut self.loads[instance];
@@ -203,7 +205,7 @@ impl Router {
         self.available_totals.0 += 1; // a picked instance is available
         load.ongoing_tokens = ongoing;
         load.pending_prefill_tokens = pending;
-        self.cache.touch_request(instance, keys, &self.walk);
+        self.cache.touch(instance, keys, &mut self.walk);
         if let (Some(s), true) = (session, self.uses_affinity()) {
             self.affinity.insert(s.clone(), instance);
         }
@@ -249,14 +251,14 @@ impl Router {
     /// Estimated cached tokens of a request on one instance; reads only.
     pub fn estimate_cache_hit(&self, instance: usize, keys: &[u64], input_length: u64) -> Result<u64> {
         self.check_instance(instance as i64)?;
-        let matched = self.cache.matched_blocks(instance, keys) as u64;
+        let matched = self.cache.lock().matched_blocks(instance, keys) as u64;
         Ok(hit_tokens(matched, self.config.block_size, input_length))
     }
 
     /// Estimated cached tokens on every instance, from one index walk; reads only.
     pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
         let mut walk = PrefixWalk::default();
-        self.cache.walk(keys, &mut walk);
+        self.cache.lock().walk(keys, &mut walk);
         walk.matched()
             .iter()
             .map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length))
@@ -265,10 +267,11 @@ impl Router {
 
     /// A snapshot of every instance.
     pub fn state(&self) -> Vec<InstanceState> {
+        let cache = self.cache.lock();
         self.loads
             .iter()
             .enumerate()
-            .map(|(i, l)| InstanceState { load: l.clone(), cached_blocks: self.cache.cached_blocks(i) })
+            .map(|(i, l)| InstanceState { load: l.clone(), cached_blocks: cache.cached_blocks(i) })
             .collect()
     }
 
@@ -295,7 +298,15 @@ impl Router {
     pub fn add_instance(&mut self) -> usize {
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
         self.available_totals.1 += 1;
-        self.cache.add_instance()
+        self.cache.lock().add_instance()
+    }
+
+    /// Apply the cache model's touches on a background thread from now on (results stay
+    /// identical; see `background.rs`). For a caller with other work between routes and a
+    /// core to spare, such as the simulator; the thread busy-waits for work until the router
+    /// is dropped.
+    pub fn touch_in_background(&mut self) {
+        self.cache.start_worker();
     }
 
     /// The affinity instance of a session, if it has one.
@@ -305,7 +316,7 @@ impl Router {
 
     /// Keys resident on an instance, most recent first.
     pub fn cached_keys(&self, instance: i64) -> Result<Vec<u64>> {
-        Ok(self.cache.keys_mru(self.check_instance(instance)?))
+        Ok(self.cache.lock().keys_mru(self.check_instance(instance)?))
     }
 
     fn uses_affinity(&self) -> bool {

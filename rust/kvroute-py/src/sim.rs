@@ -210,6 +210,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
             router_cache,
             sample_interval: get(d, "sample_interval")?.extract()?,
             closed_form: get(d, "closed_form")?.extract()?,
+            background_touch: false,
         },
     ))
 }

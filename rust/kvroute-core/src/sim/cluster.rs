@@ -50,6 +50,9 @@ pub struct RunConfig {
     pub sample_interval: f64,
     /// Advance decode-only stretches in closed form (true) or step by step (validation).
     pub closed_form: bool,
+    /// Let the router apply its cache-model touches on a second thread
+    /// ([`Router::touch_in_background`]): same results, faster when a core is free.
+    pub background_touch: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -141,6 +144,10 @@ pub fn run(
             params: cfg.params.clone(),
         },
     )?;
+    let mut router = router;
+    if cfg.background_touch {
+        router.touch_in_background();
+    }
     let launches = launch_times(cfg.mode, trace, sessions, cfg.seed);
     let mut lp = Loop {
         trace,

@@ -28,17 +28,20 @@ impl<'t> PreparedTrace<'t> {
 }
 
 /// Run `(trace index, config)` pairs in parallel; results in input order. A cancelled run
-/// yields `Ok(None)`.
+/// yields `Ok(None)`. A single run on a machine with a second core gets it for its router's
+/// cache-model touches (`RunConfig::background_touch`); several runs use the cores themselves.
 pub fn run_many(
     traces: &[PreparedTrace<'_>],
     runs: &[(usize, RunConfig)],
     cancel: &AtomicBool,
 ) -> Vec<Result<Option<SimOutput>>> {
+    let spare_core = runs.len() == 1 && std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
     runs.par_iter()
         .with_max_len(1)
         .map(|(t, cfg)| {
             let p = &traces[*t];
-            run(&p.trace, &p.sessions, cfg, cancel)
+            let cfg = RunConfig { background_touch: cfg.background_touch || spare_core, ..cfg.clone() };
+            run(&p.trace, &p.sessions, &cfg, cancel)
         })
         .collect()
 }

@@ -95,6 +95,7 @@ fn config(policy: Policy, mode: Mode) -> RunConfig {
         router_cache: RouterCache::MatchEngine,
         sample_interval: 1.0,
         closed_form: true,
+        background_touch: false,
     }
 }
 
@@ -192,4 +193,17 @@ fn a_cancelled_run_stops() {
         &AtomicBool::new(false),
     );
     assert!(many.iter().all(|r| matches!(r, Ok(Some(_)))));
+}
+
+#[test]
+fn background_touch_changes_no_result() {
+    let o = synthetic(12, 5);
+    for policy in [Policy::Unified, Policy::Lmetric, Policy::SglangCacheAware] {
+        let cfg = RunConfig { router_cache: RouterCache::Blocks(6), ..config(policy, Mode::Thinktime) };
+        let a = simulate(&o, &cfg);
+        let b = simulate(&o, &RunConfig { background_touch: true, ..cfg });
+        assert_eq!(a.records.instance, b.records.instance);
+        assert_eq!(a.records.finish, b.records.finish);
+        assert_eq!(a.records.cached_tokens, b.records.cached_tokens);
+    }
 }
