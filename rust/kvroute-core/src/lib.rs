@@ -1,7 +1,9 @@
 //! kvroute-core: KV-cache-aware routing of LLM requests, in pure Rust.
 //!
 //! - [`keys`]: prefix-chained block keys from token ids.
-//! - [`cache`]: per-instance LRU cache models under one cluster-wide index.
+//! - [`cache`]: per-instance LRU cache models under one cluster-wide index (`index.rs`: the
+//!   open-addressing key index with prefetch; `background.rs`: the optional worker thread
+//!   that applies the router's touches).
 //! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
 //! - [`router`]: the request state machine that ties them together.
 //! - [`ceilings`]: APC ceilings of a whole trace (parallel, rayon).

@@ -3,8 +3,9 @@
 //!
 //! `route` costs one cluster-index walk over the request's keys (policies that score the
 //! cache), one pass over the instances, and one touch per key on the chosen instance:
-//! O(keys + instances). `first_token` and `finish` are O(1). Not synchronised: wrap it in a
-//! lock to share it between threads (the Python binding does).
+//! O(keys + instances). `first_token` and `finish` are O(1). The touch can run on a
+//! background thread instead ([`Router::touch_in_background`], same results). Not
+//! synchronised: wrap it in a lock to share it between threads (the Python binding does).
 
 use rustc_hash::FxHashMap;
 
