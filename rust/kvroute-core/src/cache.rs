@@ -12,7 +12,7 @@
 //!
 //! Index entries are 16 bytes (key, instance, slot) so that more of the index stays in cache;
 //! a key held by several instances points into a side table of holder lists instead. The
-//! walk prefetches the index buckets of the keys a few positions ahead ([`KeyIndex`]).
+//! walk prefetches the index buckets of the keys a few positions ahead (`index::KeyIndex`).
 //!
 //! Not synchronised: the router owns it behind its lock.
 

@@ -11,7 +11,7 @@
 //! Accounting: `pinned` (private + referenced entries) + `cached` (free entries) + empty =
 //! total. New blocks come from empty ones first, then by evicting free entries, LRU first.
 //! Every operation is O(1) per key touched; an entry map lookup per key (a
-//! [`KeyIndex`], prefetched ahead during lookups). Not synchronised:
+//! `KeyIndex`, prefetched ahead during lookups). Not synchronised:
 //! owned by one engine.
 
 use crate::index::{prefetch, KeyIndex};
