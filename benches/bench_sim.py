@@ -86,15 +86,15 @@ def test_sim_w600_every_policy_both_modes(benchmark: Any, w600: pa.Table) -> Non
     assert benchmark.stats.stats.max < 60.0
 
 
-def test_sim_agentic_glm_100k(benchmark: Any, glm100k: pa.Table) -> None:
-    benchmark.group = "sim"
+def _bench_agentic(benchmark: Any, trace: pa.Table, instances: int, rounds: int) -> None:
+    """One unified tracets run of an agentic-glm trace on H200 engines, ``rounds`` times."""
     out: list[ks.SimResult] = []
 
     def once() -> None:
         out[:] = [
             ks.simulate(
-                glm100k,
-                instances=32,
+                trace,
+                instances=instances,
                 policy="unified",
                 mode="tracets",
                 preset="h200-qwen3-coder-30b-a3b",
@@ -102,9 +102,15 @@ def test_sim_agentic_glm_100k(benchmark: Any, glm100k: pa.Table) -> None:
             )
         ]
 
-    benchmark.pedantic(once, rounds=3, warmup_rounds=0, iterations=1)
-    _info(benchmark, out, glm100k)
-    benchmark.extra_info.update(speedup_vs_trace=_duration(glm100k) / benchmark.stats.stats.median)
+    benchmark.pedantic(once, rounds=rounds, warmup_rounds=0, iterations=1)
+    _info(benchmark, out, trace)
+    benchmark.extra_info.update(speedup_vs_trace=_duration(trace) / benchmark.stats.stats.median)
+    assert out[0].stats["finished"] == trace.num_rows
+
+
+def test_sim_agentic_glm_100k(benchmark: Any, glm100k: pa.Table) -> None:
+    benchmark.group = "sim"
+    _bench_agentic(benchmark, glm100k, instances=32, rounds=3)
 
 
 @pytest.mark.skipif(os.environ.get("KVROUTE_BENCH_FULL") != "1", reason="set KVROUTE_BENCH_FULL=1")
@@ -112,23 +118,5 @@ def test_sim_agentic_glm_full(benchmark: Any, tmp_path: Path) -> None:
     path = Path(os.environ.get("KVROUTE_FULL_TRACE", tmp_path / "glm.parquet"))
     if not path.exists():
         synthesize("agentic-glm", path, seed=42)
-    trace = read_trace(path)
     benchmark.group = "sim full"
-    out: list[ks.SimResult] = []
-
-    def once() -> None:
-        out[:] = [
-            ks.simulate(
-                trace,
-                instances=512,
-                policy="unified",
-                mode="tracets",
-                preset="h200-qwen3-coder-30b-a3b",
-                sample_interval=10.0,
-            )
-        ]
-
-    benchmark.pedantic(once, rounds=1, warmup_rounds=0, iterations=1)
-    _info(benchmark, out, trace)
-    benchmark.extra_info.update(speedup_vs_trace=_duration(trace) / benchmark.stats.stats.median)
-    assert out[0].stats["finished"] == trace.num_rows
+    _bench_agentic(benchmark, read_trace(path), instances=512, rounds=1)

@@ -128,10 +128,7 @@ impl<V: IndexValue> KeyIndex<V> {
     /// Set the value of `key` (inserting it if absent).
     pub fn insert(&mut self, key: u64, entry: V) {
         debug_assert!(entry != V::VACANT);
-        if 2 * (self.len + 1) > self.buckets.len() {
-            self.grow();
-        }
-        let (i, found) = self.find(key);
+        let (i, found) = self.find_for_insert(key);
         self.buckets[i] = Bucket { key, entry };
         self.len += usize::from(!found);
     }
@@ -139,15 +136,20 @@ impl<V: IndexValue> KeyIndex<V> {
     /// Insert `key` with `value` unless it is present; returns whether it was inserted.
     pub fn insert_new(&mut self, key: u64, entry: V) -> bool {
         debug_assert!(entry != V::VACANT);
-        if 2 * (self.len + 1) > self.buckets.len() {
-            self.grow();
-        }
-        let (i, found) = self.find(key);
+        let (i, found) = self.find_for_insert(key);
         if !found {
             self.buckets[i] = Bucket { key, entry };
             self.len += 1;
         }
         !found
+    }
+
+    /// [`KeyIndex::find`] after making room for one more key.
+    fn find_for_insert(&mut self, key: u64) -> (usize, bool) {
+        if 2 * (self.len + 1) > self.buckets.len() {
+            self.grow();
+        }
+        self.find(key)
     }
 
     /// Remove `key`; returns whether it was there.

@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicBool;
 use super::*;
 use crate::policy::{Policy, PolicyParams};
 
+#[derive(Default)]
 struct Owned {
     ts: Vec<f64>,
     sess: Vec<u32>,
@@ -17,18 +18,16 @@ struct Owned {
     ttp: Vec<f64>,
 }
 
+impl Owned {
+    /// No rows yet (the offsets start at 0).
+    fn empty() -> Self {
+        Self { off: vec![0], ..Self::default() }
+    }
+}
+
 /// `sessions` sessions of `turns` growing turns each, starting 0.5 s apart.
 fn synthetic(sessions: u32, turns: i32) -> Owned {
-    let mut o = Owned {
-        ts: vec![],
-        sess: vec![],
-        turn: vec![],
-        inp: vec![],
-        out: vec![],
-        off: vec![0],
-        keys: vec![],
-        ttp: vec![],
-    };
+    let mut o = Owned::empty();
     for s in 0..sessions {
         for t in 0..turns {
             o.ts.push(f64::from(s) * 0.5 + f64::from(t) * 3.0);
@@ -47,16 +46,7 @@ fn synthetic(sessions: u32, turns: i32) -> Owned {
     // Stable timestamp order, as traces come.
     let mut idx: Vec<usize> = (0..o.ts.len()).collect();
     idx.sort_by(|&a, &b| o.ts[a].total_cmp(&o.ts[b]));
-    let mut r = Owned {
-        ts: vec![],
-        sess: vec![],
-        turn: vec![],
-        inp: vec![],
-        out: vec![],
-        off: vec![0],
-        keys: vec![],
-        ttp: vec![],
-    };
+    let mut r = Owned::empty();
     for i in idx {
         r.ts.push(o.ts[i]);
         r.sess.push(o.sess[i]);
