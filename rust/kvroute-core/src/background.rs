@@ -28,12 +28,26 @@ struct Touch {
     walk: PrefixWalk,
 }
 
+/// A value on cache lines of its own, so that one thread writing it does not slow down the
+/// other thread's reads of its neighbours (each field below is written by one side and
+/// polled or used by the other).
+#[derive(Default)]
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 #[derive(Default)]
 struct Shared {
-    cache: Mutex<ClusterCache>,
-    touches: Mutex<VecDeque<Touch>>,
-    submitted: AtomicU64,
-    done: AtomicU64,
+    cache: Padded<Mutex<ClusterCache>>,
+    touches: Padded<Mutex<VecDeque<Touch>>>,
+    submitted: Padded<AtomicU64>,
+    done: Padded<AtomicU64>,
     stop: AtomicBool,
     failed: AtomicBool,
 }
@@ -52,7 +66,10 @@ pub(crate) struct CacheCell {
 
 impl CacheCell {
     pub fn new(cache: ClusterCache) -> Self {
-        Self { shared: Arc::new(Shared { cache: Mutex::new(cache), ..Shared::default() }), worker: None }
+        Self {
+            shared: Arc::new(Shared { cache: Padded(Mutex::new(cache)), ..Shared::default() }),
+            worker: None,
+        }
     }
 
     /// Apply touches on a worker thread from now on (no-op if one runs already).

@@ -208,6 +208,9 @@ impl ClusterCache {
     }
 
     fn evict_one(&mut self, inst: usize) {
+        if let Some(ahead) = self.lrus[inst].prefetch_queued(PREFETCH_AHEAD) {
+            self.index.prefetch(ahead);
+        }
         let Some(victim) = self.lrus[inst].pop_back() else {
             return;
         };

@@ -2,10 +2,12 @@
 //!
 //! Each resident key has a slot (stable while it is resident, so the cluster index can point
 //! at it) holding the key and the time it was last touched, side by side. A touch only writes
-//! that stamp: no list relinking, one cache line per key. A bounded cache also appends `(slot, stamp)`
-//! to a queue in touch order; eviction pops the queue's front, skipping entries that a later
-//! touch made stale, and stale entries are dropped in place when they outnumber live ones.
-//! The order is the same as a move-to-front list's: the latest stamp is the most recent.
+//! that stamp: no list relinking, one cache line per key. A bounded cache also appends
+//! `(key, slot, stamp)` to a queue in touch order; eviction pops the queue's front, skipping
+//! entries that a later touch made stale, and stale entries are dropped in place when they
+//! outnumber live ones. The order is the same as a move-to-front list's: the latest stamp is
+//! the most recent. The queue names the next victims' keys and slots, so callers can start
+//! loading what eviction will need a few victims ahead.
 //!
 //! Touch O(1); eviction amortized O(1); `keys_mru` O(n log n). Not synchronised: owned by
 //! [`crate::cache::ClusterCache`].
@@ -21,13 +23,21 @@ struct Slot {
     stamp: u64,
 }
 
+/// One touch in the eviction queue; live while its slot still carries `stamp`.
+#[derive(Debug, Clone, Copy)]
+struct Touched {
+    key: u64,
+    stamp: u64,
+    slot: u32,
+}
+
 /// LRU order over resident keys.
 #[derive(Debug, Clone)]
 pub struct Lru {
     slots: Vec<Slot>,
     free: Vec<u32>,
     /// Touches in time order, for eviction; only kept when `evicts`.
-    queue: VecDeque<(u32, u64)>,
+    queue: VecDeque<Touched>,
     evicts: bool,
     clock: u64,
     len: usize,
@@ -84,12 +94,21 @@ impl Lru {
         }
     }
 
+    /// Start loading the slot of the queue entry `at` places from the front (a victim soon);
+    /// returns its key, so the caller can do the same for what it keeps per key.
+    pub fn prefetch_queued(&self, at: usize) -> Option<u64> {
+        let t = self.queue.get(at)?;
+        prefetch(&self.slots[t.slot as usize]);
+        Some(t.key)
+    }
+
     /// Make the key at `slot` the most recent.
     pub fn move_to_front(&mut self, slot: u32) {
         self.clock += 1;
-        self.slots[slot as usize].stamp = self.clock;
+        let s = &mut self.slots[slot as usize];
+        s.stamp = self.clock;
         if self.evicts {
-            self.queue.push_back((slot, self.clock));
+            self.queue.push_back(Touched { key: s.key, stamp: self.clock, slot });
             if self.queue.len() > 2 * self.len + 1024 {
                 self.compact();
             }
@@ -102,18 +121,13 @@ impl Lru {
     /// On an LRU made with `evicts = false`.
     pub fn pop_back(&mut self) -> Option<u64> {
         assert!(self.evicts, "pop_back on an LRU without eviction order");
-        while let Some((slot, stamp)) = self.queue.pop_front() {
-            let s = &mut self.slots[slot as usize];
-            if s.stamp == stamp {
+        while let Some(t) = self.queue.pop_front() {
+            let s = &mut self.slots[t.slot as usize];
+            if s.stamp == t.stamp {
                 s.stamp = 0;
-                let key = s.key;
-                self.free.push(slot);
+                self.free.push(t.slot);
                 self.len -= 1;
-                // The next pop reads the slot at the queue's front: start loading it.
-                if let Some(&(next, _)) = self.queue.front() {
-                    prefetch(&self.slots[next as usize]);
-                }
-                return Some(key);
+                return Some(t.key);
             }
         }
         None
@@ -129,7 +143,7 @@ impl Lru {
     /// Drop stale queue entries (a later touch superseded them); the rest keep their order.
     fn compact(&mut self) {
         let slots = &self.slots;
-        self.queue.retain(|&(slot, stamp)| slots[slot as usize].stamp == stamp);
+        self.queue.retain(|t| slots[t.slot as usize].stamp == t.stamp);
     }
 }
 

@@ -77,11 +77,13 @@ pub(crate) struct PickInput<'a> {
     pub available_totals: (u64, u64),
 }
 
-/// The mutable part of picking: the tie counter and the seeded RNG.
+/// The mutable part of picking: the tie counter and the seeded RNG (plus a scratch list of
+/// tied instances, reused between picks).
 #[derive(Debug, Clone)]
 pub(crate) struct PickState {
     pub rr: u64,
     pub rng: SplitMix64,
+    pub tied: Vec<u32>,
 }
 
 impl PickInput<'_> {
@@ -106,30 +108,44 @@ impl PickInput<'_> {
         best.map(|(i, _)| i)
     }
 
-    /// Minimum of `key`; among several instances at the minimum, `tied[rr % len]`, `rr += 1`.
-    fn argmin_round_robin<K: Ord>(
-        &self,
-        state: &mut PickState,
-        key: impl Fn(usize) -> K,
-    ) -> Option<(usize, Branch)> {
-        // One pass for the minimum and its multiplicity; a second only when there is a tie.
-        let mut best: Option<(K, usize, usize)> = None; // (key, first index, ties)
-        for i in self.available() {
-            let k = key(i);
-            match &mut best {
-                Some((b, _, ties)) if k == *b => *ties += 1,
-                Some((b, _, _)) if k > *b => {}
-                _ => best = Some((k, i, 1)),
+    /// The minimum of `(prefill_work × num_requests, new_prefill, num_requests)` (for
+    /// `weigh_by_requests`) or of `(prefill_work, new_prefill, num_requests)`; among several
+    /// instances at the minimum, `tied[rr % len]` and `rr += 1`. One tight pass that settles
+    /// most instances on the first term alone and lists the instances tied at the minimum so
+    /// far (this scan is most of a pick on a large cluster, and idle instances tie often).
+    fn argmin_prefill(&self, state: &mut PickState, weigh_by_requests: bool) -> Option<(usize, Branch)> {
+        let (len, bs) = (self.input_length, self.block_size);
+        let (mut best_first, mut best_rest) = (u128::MAX, (u64::MAX, u64::MAX));
+        let tied = &mut state.tied;
+        tied.clear();
+        for (i, (l, &m)) in self.loads.iter().zip(self.matched).enumerate() {
+            if !l.available {
+                continue;
+            }
+            let new_prefill = len - hit_tokens(u64::from(m), bs, len);
+            let work = u128::from(l.pending_prefill_tokens) + u128::from(new_prefill);
+            let lead = if weigh_by_requests { work * u128::from(l.num_requests) } else { work };
+            if lead > best_first {
+                continue;
+            }
+            let rest = (new_prefill, l.num_requests);
+            if tied.is_empty() || lead < best_first || rest < best_rest {
+                (best_first, best_rest) = (lead, rest);
+                tied.clear();
+                tied.push(i as u32);
+            } else if rest == best_rest {
+                tied.push(i as u32);
             }
         }
-        let (best, first, ties) = best?;
-        if ties == 1 {
-            return Some((first, Branch::Score));
+        match tied[..] {
+            [] => None,
+            [only] => Some((only as usize, Branch::Score)),
+            _ => {
+                let nth = (state.rr % tied.len() as u64) as usize;
+                state.rr += 1;
+                Some((tied[nth] as usize, Branch::TieBreak))
+            }
         }
-        let nth = (state.rr % ties as u64) as usize;
-        state.rr += 1;
-        let winner = self.available().filter(|&i| key(i) == best).nth(nth)?;
-        Some((winner, Branch::TieBreak))
     }
 
     /// `pending_prefill_tokens + new_prefill`, exact.
@@ -137,9 +153,8 @@ impl PickInput<'_> {
         u128::from(self.loads[i].pending_prefill_tokens) + u128::from(self.new_prefill(i))
     }
 
-    fn lmetric_key(&self, i: usize) -> (u128, u64, u64) {
-        let l = &self.loads[i];
-        (self.prefill_work(i) * u128::from(l.num_requests), self.new_prefill(i), l.num_requests)
+    fn lmetric_key(&self, i: usize) -> u128 {
+        self.prefill_work(i) * u128::from(self.loads[i].num_requests)
     }
 }
 
@@ -152,7 +167,7 @@ pub(crate) fn pick(
 ) -> Option<(usize, Branch)> {
     let nreq = |i: usize| input.loads[i].num_requests;
     match policy {
-        Policy::Lmetric => input.argmin(|i| input.lmetric_key(i).0).map(|i| (i, Branch::Score)),
+        Policy::Lmetric => input.argmin(|i| input.lmetric_key(i)).map(|i| (i, Branch::Score)),
         Policy::LoadOnly => input.argmin(nreq).map(|i| (i, Branch::Score)),
         Policy::Sticky => match input.affinity {
             Some(a) => Some((a, Branch::Affinity)),
@@ -164,11 +179,9 @@ pub(crate) fn pick(
                     return Some((a, Branch::Affinity));
                 }
             }
-            input.argmin_round_robin(state, |i| input.lmetric_key(i))
+            input.argmin_prefill(state, true)
         }
-        Policy::LeastWork => {
-            input.argmin_round_robin(state, |i| (input.prefill_work(i), input.new_prefill(i), nreq(i)))
-        }
+        Policy::LeastWork => input.argmin_prefill(state, false),
         Policy::RoundRobin => {
             let avail: Vec<usize> = input.available().collect();
             let chosen = *avail.get((state.rr % avail.len().max(1) as u64) as usize)?;

@@ -122,7 +122,7 @@ impl Router {
             cache: CacheCell::new(ClusterCache::new(num_instances, config.cache_capacity_blocks)),
             requests: FxHashMap::default(),
             affinity: FxHashMap::default(),
-            state: PickState { rr: 0, rng: SplitMix64::new(config.seed) },
+            state: PickState { rr: 0, rng: SplitMix64::new(config.seed), tied: Vec::new() },
             walk: PrefixWalk::default(),
             available_totals: (0, num_instances as u64),
             config,
@@ -182,7 +182,7 @@ impl Router {
             affinity,
             available_totals: self.available_totals,
         };
-        let saved = self.state.clone();
+        let saved = (self.state.rr, self.state.rng.clone());
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
             .ok_or(Error::NoInstanceAvailable)?;
         let matched = match self.walk.matched().get(instance) {
@@ -197,7 +197,7 @@ impl Router {
             load.ongoing_tokens.checked_add(input_length),
             load.pending_prefill_tokens.checked_add(new_prefill),
         ) else {
-            self.state = saved;
+            (self.state.rr, self.state.rng) = saved;
             return Err(Error::InvalidArgument(format!(
                 "input_length {input_length} would overflow instance {instance}'s token counters"
             )));

@@ -2,29 +2,45 @@
 //!
 //! A cached key (one trace block, `block_size` tokens = `block_size / kv_block_size` pool
 //! blocks) is an entry with a reference count. Entries referenced by running requests are
-//! pinned; entries nobody references stay cached in an LRU "free queue" and are evicted from
-//! its cold end when blocks are needed. A request releasing its keys puts them back from the
-//! last to the first, so the head of a prefix is the most recent and a prefix loses its tail
-//! first (vLLM's free-block queue). Blocks not covered by a cached key (partial chunks,
-//! decode tokens, keys another request cached first) are the request's private blocks.
+//! pinned; entries nobody references stay cached in LRU order and are evicted from its cold
+//! end when blocks are needed. A request releasing its keys puts them back from the last to
+//! the first, so the head of a prefix is the most recent and a prefix loses its tail first
+//! (vLLM's free-block queue). Blocks not covered by a cached key (partial chunks, decode
+//! tokens, keys another request cached first) are the request's private blocks.
+//!
+//! The LRU is a queue of release events `(key, slot, stamp)`; an entry remembers the stamp of
+//! its last release, and pinning or evicting it clears that stamp, so queue events that no
+//! longer match are skipped (and dropped in place when they outnumber live ones). Eviction
+//! reads the queue front to back, so the entries and map buckets of the next victims are
+//! prefetched well ahead and their cache misses overlap.
 //!
 //! Accounting: `pinned` (private + referenced entries) + `cached` (free entries) + empty =
 //! total. New blocks come from empty ones first, then by evicting free entries, LRU first.
-//! Every operation is O(1) per key touched; an entry map lookup per key (a
-//! `KeyIndex`, prefetched ahead during lookups). Not synchronised:
-//! owned by one engine.
+//! Every operation is O(1) per key touched (eviction amortized); an entry map lookup per key
+//! (a `KeyIndex`, prefetched ahead). Not synchronised: owned by one engine.
+
+use std::collections::VecDeque;
 
 use crate::index::{prefetch, KeyIndex};
 
-const NIL: u32 = u32::MAX;
+/// How many queue events ahead eviction prefetches victims' entries and map buckets.
+const EVICT_AHEAD: usize = 8;
 
 #[derive(Debug, Clone)]
 struct Entry {
     key: u64,
     blocks: u32,
     refs: u32,
-    prev: u32,
-    next: u32,
+    /// Stamp of the release that made it free; 0 while pinned or evicted.
+    freed: u64,
+}
+
+/// An entry's release, in the LRU queue.
+#[derive(Debug, Clone, Copy)]
+struct Freed {
+    key: u64,
+    stamp: u64,
+    slot: u32,
 }
 
 /// The pool and its prefix cache.
@@ -36,9 +52,11 @@ pub struct KvPool {
     map: KeyIndex<u32>,
     entries: Vec<Entry>,
     free_slots: Vec<u32>,
-    /// LRU of unreferenced entries: `head` most recent, `tail` evicted first.
-    head: u32,
-    tail: u32,
+    /// Releases in time order (front evicted first); live where the entry's stamp matches.
+    queue: VecDeque<Freed>,
+    /// Unreferenced entries, and the last release stamp handed out.
+    free_entries: usize,
+    clock: u64,
     evictions: u64,
 }
 
@@ -62,8 +80,9 @@ impl KvPool {
             map: KeyIndex::default(),
             entries: Vec::new(),
             free_slots: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            queue: VecDeque::new(),
+            free_entries: 0,
+            clock: 0,
             evictions: 0,
         }
     }
@@ -132,7 +151,8 @@ impl KvPool {
             let b = u64::from(e.blocks);
             blocks += b;
             if e.refs == 1 {
-                self.unlink(slot);
+                e.freed = 0;
+                self.free_entries -= 1;
                 self.cached -= b;
                 self.pinned += b;
             }
@@ -147,8 +167,9 @@ impl KvPool {
         if n > self.available() {
             return false;
         }
-        while self.total - self.pinned - self.cached < n {
-            self.evict_one();
+        let empty = self.total - self.pinned - self.cached;
+        if empty < n {
+            self.evict_blocks(n - empty);
         }
         self.pinned += n;
         true
@@ -160,15 +181,12 @@ impl KvPool {
     pub fn register(&mut self, key: u64, blocks: u32) -> Option<u32> {
         let slot = match self.free_slots.last() {
             Some(&s) => s,
-            None => u32::try_from(self.entries.len())
-                .ok()
-                .filter(|&s| s != NIL)
-                .expect("fewer than 2^32 - 1 cached keys"),
+            None => u32::try_from(self.entries.len()).expect("fewer than 2^32 cached keys"),
         };
         if !self.map.insert_new(key, slot) {
             return None;
         }
-        let e = Entry { key, blocks, refs: 1, prev: NIL, next: NIL };
+        let e = Entry { key, blocks, refs: 1, freed: 0 };
         if self.free_slots.pop().is_some() {
             self.entries[slot as usize] = e;
         } else {
@@ -191,70 +209,52 @@ impl KvPool {
                 let b = u64::from(e.blocks);
                 self.pinned -= b;
                 self.cached += b;
-                self.push_head(slot);
+                self.clock += 1;
+                e.freed = self.clock;
+                self.free_entries += 1;
+                self.queue.push_back(Freed { key: e.key, stamp: self.clock, slot });
             }
         }
+        if self.queue.len() > 2 * self.free_entries + 1024 {
+            let entries = &self.entries;
+            self.queue.retain(|f| entries[f.slot as usize].freed == f.stamp);
+        }
     }
 
-    /// Resident keys from most to least recently freed, then the pinned ones (tests).
+    /// Unreferenced resident keys from most to least recently freed (tests).
     pub fn free_keys_mru(&self) -> Vec<u64> {
-        let mut out = Vec::new();
-        let mut cur = self.head;
-        while cur != NIL {
-            out.push(self.entries[cur as usize].key);
-            cur = self.entries[cur as usize].next;
-        }
-        out
+        let mut free: Vec<&Entry> = self.entries.iter().filter(|e| e.freed != 0).collect();
+        free.sort_unstable_by_key(|e| std::cmp::Reverse(e.freed));
+        free.into_iter().map(|e| e.key).collect()
     }
 
-    fn evict_one(&mut self) {
-        let slot = self.tail;
-        debug_assert!(slot != NIL, "evict from an empty LRU");
-        self.unlink(slot);
-        let e = &self.entries[slot as usize];
-        self.cached -= u64::from(e.blocks);
-        self.map.remove(e.key);
-        self.free_slots.push(slot);
-        // The next victim's entry is in cache now (unlink touched it); start on its bucket.
-        if self.tail != NIL {
-            self.map.prefetch(self.entries[self.tail as usize].key);
+    /// Evict free entries, least recently freed first, until at least `need` more blocks are
+    /// empty. The entries and map buckets of the victims a few events on are prefetched.
+    fn evict_blocks(&mut self, need: u64) {
+        let mut freed = 0;
+        (0..EVICT_AHEAD.min(self.queue.len())).for_each(|at| self.prefetch_victim(at));
+        while freed < need {
+            self.prefetch_victim(EVICT_AHEAD);
+            let f = self.queue.pop_front().expect("eviction from an empty LRU");
+            let e = &mut self.entries[f.slot as usize];
+            if e.freed != f.stamp {
+                continue;
+            }
+            e.freed = 0;
+            freed += u64::from(e.blocks);
+            self.cached -= u64::from(e.blocks);
+            self.free_entries -= 1;
+            self.map.remove(f.key);
+            self.free_slots.push(f.slot);
+            self.evictions += 1;
         }
-        self.evictions += 1;
     }
 
-    fn push_head(&mut self, slot: u32) {
-        let old = self.head;
-        {
-            let e = &mut self.entries[slot as usize];
-            e.prev = NIL;
-            e.next = old;
+    fn prefetch_victim(&self, at: usize) {
+        if let Some(f) = self.queue.get(at) {
+            prefetch(&self.entries[f.slot as usize]);
+            self.map.prefetch(f.key);
         }
-        if old != NIL {
-            self.entries[old as usize].prev = slot;
-        } else {
-            self.tail = slot;
-        }
-        self.head = slot;
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let (prev, next) = {
-            let e = &self.entries[slot as usize];
-            (e.prev, e.next)
-        };
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.entries[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.entries[next as usize].prev = prev;
-        }
-        let e = &mut self.entries[slot as usize];
-        e.prev = NIL;
-        e.next = NIL;
     }
 }
 
@@ -288,5 +288,96 @@ mod tests {
         assert_eq!(kv.pin(&slots, &mut h2), 2);
         assert_eq!((kv.pinned(), kv.cached(), kv.available()), (9, 0, 1));
         assert!(kv.register(1, 2).is_none());
+    }
+
+    /// A plain model of the pool: reference counts, and the free keys as a list (most
+    /// recently freed first) that pinning unlinks from and eviction pops from the back.
+    #[derive(Default)]
+    struct Model {
+        refs: std::collections::HashMap<u64, u32>,
+        free: VecDeque<u64>,
+        pinned: u64,
+        evictions: u64,
+    }
+
+    impl Model {
+        /// Drop a reference to each of `keys`, last first; unreferenced ones become free.
+        fn unref(&mut self, keys: &[u64]) {
+            for k in keys.iter().rev() {
+                let r = self.refs.get_mut(k).unwrap();
+                *r -= 1;
+                if *r == 0 {
+                    self.pinned -= 2;
+                    self.free.push_front(*k);
+                }
+            }
+        }
+    }
+
+    /// Random requests (prefix hits, new keys, duplicates, private blocks) pinned, grown and
+    /// released in random order: the pool and the model agree on every count and on the
+    /// LRU order at every step, through many stale queue events and compactions.
+    #[test]
+    fn agrees_with_a_list_model() {
+        const BLOCKS: u64 = 2;
+        let mut rng = crate::rng::SplitMix64::new(5);
+        let (mut kv, mut m) = (KvPool::new(40), Model::default());
+        let mut active: Vec<(Vec<u32>, Vec<u64>, u64)> = Vec::new();
+        let mut slots = Vec::new();
+        for _ in 0..20_000 {
+            if active.len() > 3 || (rng.below(2) == 0 && !active.is_empty()) {
+                let (held, keys, private) = active.swap_remove(rng.below(active.len()));
+                kv.release(&held, private);
+                m.pinned -= private;
+                m.unref(&keys);
+            } else {
+                let base = rng.below(6) as u64 * 100;
+                let keys: Vec<u64> = (0..1 + rng.below(6) as u64).map(|j| base + j).collect();
+                let hits = kv.lookup(&keys, &mut slots).hits;
+                assert_eq!(hits, keys.iter().take_while(|k| m.refs.contains_key(k)).count());
+                let need = BLOCKS * (keys.len() - hits) as u64 + rng.below(3) as u64;
+                let mut held = Vec::new();
+                kv.pin(&slots, &mut held);
+                for k in &keys[..hits] {
+                    let r = m.refs.get_mut(k).unwrap();
+                    *r += 1;
+                    if *r == 1 {
+                        m.free.retain(|f| f != k);
+                        m.pinned += BLOCKS;
+                    }
+                }
+                let empty = 40 - m.pinned - BLOCKS * m.free.len() as u64;
+                let fits = need <= 40 - m.pinned;
+                assert_eq!(kv.alloc(need), fits);
+                if !fits {
+                    kv.release(&held, 0);
+                    m.unref(&keys[..hits]);
+                    continue;
+                }
+                for _ in 0..need.saturating_sub(empty).div_ceil(BLOCKS) {
+                    m.refs.remove(&m.free.pop_back().unwrap());
+                    m.evictions += 1;
+                }
+                m.pinned += need;
+                let mut private = need;
+                let mut mine = keys[..hits].to_vec();
+                for &k in &keys[hits..] {
+                    if let Some(slot) = kv.register(k, BLOCKS as u32) {
+                        held.push(slot);
+                        private -= BLOCKS;
+                        m.refs.insert(k, 1);
+                        mine.push(k);
+                    }
+                }
+                active.push((held, mine, private));
+            }
+            assert_eq!(kv.free_keys_mru(), Vec::from(m.free.clone()));
+            assert_eq!(
+                (kv.pinned(), kv.evictions(), kv.resident_keys()),
+                (m.pinned, m.evictions, m.refs.len())
+            );
+            assert_eq!(kv.cached(), BLOCKS * m.free.len() as u64);
+        }
+        assert!(m.evictions > 1000, "only {} evictions", m.evictions);
     }
 }
