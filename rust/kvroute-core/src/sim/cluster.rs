@@ -1,17 +1,15 @@
 //! One simulation run: N engines behind one [`Router`], driven by a trace and a dispatch
-//! mode, as an event loop over a binary heap of (time, sequence) events.
+//! mode, as an event loop over (time, sequence) events (`queue.rs`).
 //!
 //! The router sees what a proxy would: `route` when a request is sent, `first_token` when
 //! its first token comes back, `finish` when it ends. Engines only change at their segment
-//! ends and when a request arrives, so an engine has one live heap entry at a time (stale
-//! ones carry an old version and are skipped). Sessions are launched lazily from a cursor,
-//! so the heap holds O(engines + sessions in flight) entries. Deterministic for a config:
-//! ties in time break by insertion order. O((events) · log(heap) + Σ keys + segments ·
-//! running) time; memory O(requests) for the records plus the engines' state.
+//! ends and when a request arrives, so an engine has one pending event at a time, replaced
+//! when it changes. Sessions are launched lazily from a cursor, so the queue holds
+//! O(engines + sessions in flight) events. Deterministic for a config: ties in time break by
+//! insertion order. O(events · log(queue) + Σ keys + segments · running) time; memory
+//! O(requests) for the records plus the engines' state.
 
 use std::borrow::Cow;
-use std::cmp::Ordering as CmpOrdering;
-use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -19,6 +17,7 @@ use super::dispatch::{check, launch_times, next_send, Mode};
 use super::engine::{Engine, EngineEvent};
 use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
 use super::params::EngineParams;
+use super::queue::{EventQueue, Kind, Next};
 use super::trace::{Sessions, SimTrace};
 use crate::error::{Error, Result};
 use crate::policy::{Policy, PolicyParams};
@@ -55,48 +54,13 @@ pub struct RunConfig {
     pub background_touch: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Kind {
-    Launch,
-    Send(u32),
-    Segment(u32, u32),
-    Sample,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Ev {
-    t: f64,
-    seq: u64,
-    kind: Kind,
-}
-
-impl PartialEq for Ev {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == CmpOrdering::Equal
-    }
-}
-impl Eq for Ev {}
-impl PartialOrd for Ev {
-    fn partial_cmp(&self, o: &Self) -> Option<CmpOrdering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Ev {
-    /// Reversed: the heap pops the earliest, then the first pushed.
-    fn cmp(&self, o: &Self) -> CmpOrdering {
-        o.t.total_cmp(&self.t).then(o.seq.cmp(&self.seq))
-    }
-}
-
 struct Loop<'a, 't> {
     trace: &'a SimTrace<'t>,
     sessions: &'a Sessions,
     mode: Mode,
     router: Router,
     engines: Vec<Engine<'t>>,
-    versions: Vec<u32>,
-    heap: BinaryHeap<Ev>,
-    seq: u64,
+    queue: EventQueue,
     pos: Vec<u32>,
     rec: Records,
     series: Series,
@@ -155,9 +119,7 @@ pub fn run(
         mode: cfg.mode,
         router,
         engines: vec![engine; cfg.instances],
-        versions: vec![0; cfg.instances],
-        heap: BinaryHeap::new(),
-        seq: 0,
+        queue: EventQueue::new(cfg.instances),
         pos: vec![0; sessions.len()],
         rec: Records::new(trace.len()),
         series: Series::default(),
@@ -167,34 +129,33 @@ pub fn run(
     };
     let mut cursor = 0usize;
     if let Some(&t) = launches.first() {
-        lp.push(t, Kind::Launch);
+        lp.queue.push(t, Kind::Launch);
     }
     if cfg.sample_interval > 0.0 {
-        lp.push(0.0, Kind::Sample);
+        lp.queue.push(0.0, Kind::Sample);
     }
     let mut samples = 0u64;
-    while let Some(ev) = lp.heap.pop() {
+    while let Some(next) = lp.queue.pop() {
         lp.stats.events += 1;
         if lp.stats.events % 4096 == 0 && cancel.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        match ev.kind {
-            Kind::Launch => {
+        match next {
+            Next::Driver(t, Kind::Launch) => {
                 let s = sessions.launch[cursor];
                 cursor += 1;
-                if let Some(&t) = launches.get(cursor) {
-                    lp.push(t, Kind::Launch);
+                if let Some(&at) = launches.get(cursor) {
+                    lp.queue.push(at, Kind::Launch);
                 }
-                lp.send(s, ev.t)?;
+                lp.send(s, t)?;
             }
-            Kind::Send(s) => lp.send(s, ev.t)?,
-            Kind::Segment(e, v) if v == lp.versions[e as usize] => lp.segment(e, ev.t),
-            Kind::Segment(..) => {}
-            Kind::Sample => {
-                lp.sample(ev.t);
+            Next::Driver(t, Kind::Send(s)) => lp.send(s, t)?,
+            Next::Segment(_, e) => lp.segment(e),
+            Next::Driver(t, Kind::Sample) => {
+                lp.sample(t);
                 samples += 1;
-                if !lp.heap.is_empty() {
-                    lp.push(samples as f64 * cfg.sample_interval, Kind::Sample);
+                if !lp.queue.is_empty() {
+                    lp.queue.push(samples as f64 * cfg.sample_interval, Kind::Sample);
                 }
             }
         }
@@ -224,11 +185,6 @@ pub fn run(
 }
 
 impl Loop<'_, '_> {
-    fn push(&mut self, t: f64, kind: Kind) {
-        self.seq += 1;
-        self.heap.push(Ev { t, seq: self.seq, kind });
-    }
-
     /// Send session `s`'s next turn at `t`.
     fn send(&mut self, s: u32, t: f64) -> Result<()> {
         let row = self.sessions.rows_of(s)[self.pos[s as usize] as usize];
@@ -263,13 +219,10 @@ impl Loop<'_, '_> {
     }
 
     fn schedule_engine(&mut self, e: usize) {
-        self.versions[e] = self.versions[e].wrapping_add(1);
-        if let Some(t) = self.engines[e].segment_end() {
-            self.push(t, Kind::Segment(e as u32, self.versions[e]));
-        }
+        self.queue.set_engine(e, self.engines[e].segment_end());
     }
 
-    fn segment(&mut self, e: u32, _t: f64) {
+    fn segment(&mut self, e: u32) {
         let mut events = std::mem::take(&mut self.events);
         events.clear();
         self.engines[e as usize].complete_segment(&mut events);
@@ -308,7 +261,7 @@ impl Loop<'_, '_> {
         *p += 1;
         if let Some(&next) = self.sessions.rows_of(s).get(*p as usize) {
             let at = next_send(self.mode, self.trace, self.sessions, next, t);
-            self.push(at, Kind::Send(s));
+            self.queue.push(at, Kind::Send(s));
         }
     }
 

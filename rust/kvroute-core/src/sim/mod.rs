@@ -7,7 +7,7 @@
 //!   batching, chunked prefill, token budget, preemption by recompute, closed-form decode
 //!   runs) and what it reports.
 //! - [`trace`] and [`dispatch`]: the trace's sessions and the dispatch modes (§5).
-//! - [`cluster`]: one run's event loop; [`sweep`]: many runs in parallel (rayon).
+//! - [`cluster`]: one run's event loop (over `queue.rs`); [`sweep`]: many runs in parallel (rayon).
 //! - [`live`]: one engine driven by a caller's clock (the HTTP engine emulator).
 //! - [`output`]: records, time series and run statistics.
 //!
@@ -23,6 +23,7 @@ pub mod kv;
 pub mod live;
 pub mod output;
 pub mod params;
+mod queue;
 mod sched;
 mod segment;
 pub mod sweep;
