@@ -118,22 +118,27 @@ impl KvPool {
     }
 
     /// Leading keys of `keys` resident; their entry slots are written to `slots`. Read only.
+    /// The map lookups run first (buckets prefetched ahead), then the entries are read, so
+    /// that their cache misses overlap too.
     pub fn lookup(&self, keys: &[u64], slots: &mut Vec<u32>) -> Lookup {
         slots.clear();
-        let mut out = Lookup { hits: 0, unpinned_blocks: 0 };
         for (pos, &k) in keys.iter().enumerate() {
             if let Some(&ahead) = keys.get(pos + 8) {
                 self.map.prefetch(ahead);
             }
             let Some(slot) = self.map.get(k) else { break };
+            prefetch(&self.entries[slot as usize]);
+            slots.push(slot);
+        }
+        let unpinned = |&slot: &u32| {
             let e = &self.entries[slot as usize];
             if e.refs == 0 {
-                out.unpinned_blocks += u64::from(e.blocks);
+                u64::from(e.blocks)
+            } else {
+                0
             }
-            slots.push(slot);
-            out.hits += 1;
-        }
-        out
+        };
+        Lookup { hits: slots.len(), unpinned_blocks: slots.iter().map(unpinned).sum() }
     }
 
     /// Start loading the map bucket of `key` (a lookup or register of it follows soon).
