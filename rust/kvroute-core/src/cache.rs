@@ -26,6 +26,10 @@ const MANY: u32 = u32::MAX;
 /// How far ahead of its lookups the walk prefetches index buckets.
 const PREFETCH_AHEAD: usize = 8;
 
+/// How many eviction-queue entries ahead eviction prefetches slots and index buckets (about
+/// 2.4 entries are taken per eviction, stale ones included).
+const EVICT_AHEAD: usize = 16;
+
 /// The result of one walk: matched blocks per instance and the walked keys' index entries.
 #[derive(Debug, Clone, Default)]
 pub struct PrefixWalk {
@@ -208,10 +212,8 @@ impl ClusterCache {
     }
 
     fn evict_one(&mut self, inst: usize) {
-        if let Some(ahead) = self.lrus[inst].prefetch_queued(PREFETCH_AHEAD) {
-            self.index.prefetch(ahead);
-        }
-        let Some(victim) = self.lrus[inst].pop_back() else {
+        let index = &self.index;
+        let Some(victim) = self.lrus[inst].pop_back_prefetching(EVICT_AHEAD, |k| index.prefetch(k)) else {
             return;
         };
         let i = inst as u32;

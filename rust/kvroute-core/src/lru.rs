@@ -94,14 +94,6 @@ impl Lru {
         }
     }
 
-    /// Start loading the slot of the queue entry `at` places from the front (a victim soon);
-    /// returns its key, so the caller can do the same for what it keeps per key.
-    pub fn prefetch_queued(&self, at: usize) -> Option<u64> {
-        let t = self.queue.get(at)?;
-        prefetch(&self.slots[t.slot as usize]);
-        Some(t.key)
-    }
-
     /// Make the key at `slot` the most recent.
     pub fn move_to_front(&mut self, slot: u32) {
         self.clock += 1;
@@ -120,8 +112,19 @@ impl Lru {
     /// # Panics
     /// On an LRU made with `evicts = false`.
     pub fn pop_back(&mut self) -> Option<u64> {
+        self.pop_back_prefetching(0, |_| {})
+    }
+
+    /// [`Lru::pop_back`] that, for each queue entry it takes, starts loading the slot of the
+    /// entry `ahead` places behind it and hands that entry's key to `ahead_key`, so that
+    /// every future victim (and stale entry) is prefetched once, `ahead` entries early.
+    pub fn pop_back_prefetching(&mut self, ahead: usize, mut ahead_key: impl FnMut(u64)) -> Option<u64> {
         assert!(self.evicts, "pop_back on an LRU without eviction order");
         while let Some(t) = self.queue.pop_front() {
+            if let Some(a) = self.queue.get(ahead) {
+                prefetch(&self.slots[a.slot as usize]);
+                ahead_key(a.key);
+            }
             let s = &mut self.slots[t.slot as usize];
             if s.stamp == t.stamp {
                 s.stamp = 0;
