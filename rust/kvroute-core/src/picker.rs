@@ -1,10 +1,10 @@
 //! The picking loop: given the instances' loads and cache hits, choose one instance.
 //!
-//! One pass over the instances per pick (plus one more for ties), O(instances); `unified`
-//! reads the average load for its gate from the router's running totals. Hits come
-//! precomputed from one cluster-index walk ([`crate::cache::ClusterCache::walk`]).
-//! Pure except for the tie counter and the RNG in [`PickState`]; the router holds it under
-//! its lock.
+//! One pass over the instances per pick, O(instances) (the round-robin tie-break lists the
+//! tied instances as it goes); `unified` reads the average load for its gate from the
+//! router's running totals. Hits come precomputed from one cluster-index walk
+//! ([`crate::cache::ClusterCache::walk`]). Pure except for the tie counter, the RNG and a
+//! scratch list in [`PickState`]; the router holds it under its lock.
 
 use crate::keys::hit_tokens;
 use crate::policy::{Policy, PolicyParams};
