@@ -84,6 +84,7 @@ impl CacheCell {
     ///
     /// # Panics
     /// If the worker panicked (the cache model is then unknown).
+    #[inline]
     pub fn lock(&self) -> MutexGuard<'_, ClusterCache> {
         let s = &self.shared;
         let mut polls = 0u32;
@@ -101,6 +102,7 @@ impl CacheCell {
 
     /// Touch `keys` on `inst` (see [`ClusterCache::touch_request`]), in place or on the worker.
     /// The walk's entries are consumed.
+    #[inline]
     pub fn touch(&self, inst: usize, keys: &[u64], walk: &mut PrefixWalk) {
         if self.worker.is_none() {
             self.lock().touch_request(inst, keys, walk);

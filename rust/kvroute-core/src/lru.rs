@@ -95,6 +95,7 @@ impl Lru {
     }
 
     /// Make the key at `slot` the most recent.
+    #[inline]
     pub fn move_to_front(&mut self, slot: u32) {
         self.clock += 1;
         let s = &mut self.slots[slot as usize];
