@@ -114,6 +114,7 @@ impl PickInput<'_> {
     /// most instances on the first term alone and lists the instances tied at the minimum so
     /// far (this scan is most of a pick on a large cluster, and idle instances tie often).
     fn argmin_prefill(&self, state: &mut PickState, weigh_by_requests: bool) -> Option<(usize, Branch)> {
+        debug_assert_eq!(self.matched.len(), self.loads.len(), "these policies walk the cache");
         let (len, bs) = (self.input_length, self.block_size);
         let (mut best_first, mut best_rest) = (u128::MAX, (u64::MAX, u64::MAX));
         let tied = &mut state.tied;
