@@ -98,7 +98,7 @@ pub fn run(
         RouterCache::MatchEngine => Some(((ep.capacity_tokens() / trace.block_size) as usize).max(1)),
         RouterCache::Blocks(n) => Some(n),
     };
-    let router = Router::new(
+    let mut router = Router::new(
         cfg.instances,
         cfg.policy,
         RouterConfig {
@@ -108,7 +108,6 @@ pub fn run(
             params: cfg.params.clone(),
         },
     )?;
-    let mut router = router;
     if cfg.background_touch {
         router.touch_in_background();
     }
