@@ -235,7 +235,7 @@ async def breakdown(requests: int = 500) -> dict[str, float]:
     stream, reached directly, through a bare aiohttp relay, and through ``kvroute proxy``."""
     from aiohttp import web
 
-    from kvroute.proxy import ProxyConfig, proxy_app, start_app
+    from kvroute.proxy import Proxy, ProxyConfig, start_app
 
     async def engine(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -268,7 +268,8 @@ async def breakdown(requests: int = 500) -> dict[str, float]:
             apps.append(app)
         runner_e, engine_url = await start_app(apps[0])
         runner_r, relay_url = await start_app(apps[1])
-        runner_p, proxy_url = await start_app(proxy_app(ProxyConfig(backends=[engine_url])))
+        proxy = Proxy(ProxyConfig(backends=[engine_url]))
+        proxy_url = await proxy.start("127.0.0.1", 0, 1.0)
         body = {"prompt": _prompt_base(0), "max_tokens": MAX_TOKENS, "stream": True}
         out = {}
         try:
@@ -280,7 +281,8 @@ async def breakdown(requests: int = 500) -> dict[str, float]:
                         await resp.read()
                 out[name] = (time.process_time() - t0) / requests * 1e6
         finally:
-            for r in (runner_p, runner_r, runner_e):
+            await proxy.close()
+            for r in (runner_r, runner_e):
                 await r.cleanup()
     return out
 

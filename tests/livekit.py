@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvroute.emulator import EMULATOR, Emulator, EmulatorConfig, emulator_app
-from kvroute.proxy import PROXY, Proxy, ProxyConfig, ServerThread, proxy_app
+from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.schema import trace_schema
 
 MODEL = "Qwen/Qwen3-Coder-30B-A3B-Instruct"
@@ -120,9 +120,8 @@ class Stack:
         try:
             for _ in range(engines):
                 self.add_engine(speedup=speedup, preset=preset, **(emulator or {}))
-            app = proxy_app(ProxyConfig(backends=list(self.engine_urls), **(proxy or {})))
-            self.proxy: Proxy = app[PROXY]
-            self.url = self.st.start(app)
+            self.proxy = Proxy(ProxyConfig(backends=list(self.engine_urls), **(proxy or {})))
+            self.url = self.st.start(self.proxy)
         except BaseException:
             self.st.close()
             raise

@@ -16,7 +16,7 @@ from aiohttp import web
 
 import kvroute
 from kvroute.errors import InvalidArgumentError
-from kvroute.proxy import PROXY, ProxyConfig, ServerThread, proxy_app
+from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.proxy.keys import Keyer, approx_keys
 from kvroute.proxy.prompts import BadRequest, completion_prompt, parse_body, render_chat
 from livekit import MODEL, Stack, http, sse_events, wait_until
@@ -145,9 +145,9 @@ def recorded() -> Iterator[tuple[ServerThread, str, Recorder, Any]]:
     with ServerThread() as st:
         rec = Recorder()
         backend = st.start(rec.app())
-        app = proxy_app(ProxyConfig(backends=[backend], max_body_bytes=100_000))
-        url = st.start(app)
-        yield st, url, rec, app
+        proxy = Proxy(ProxyConfig(backends=[backend], max_body_bytes=100_000))
+        url = st.start(proxy)
+        yield st, url, rec, proxy
 
 
 def test_bodies_pass_through_unchanged(recorded: tuple) -> None:
@@ -210,7 +210,7 @@ def test_malformed_bodies_get_openai_400(
     err = json.loads(raw)["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == 400
     assert len(rec.bodies) == n  # nothing reached the backend
-    assert app[PROXY].router.in_flight == 0
+    assert app.router.in_flight == 0
 
 
 def test_body_size_limit(recorded: tuple) -> None:

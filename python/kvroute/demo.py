@@ -83,7 +83,7 @@ def simulate_all(cfg: DemoConfig, trace: pa.Table) -> list[Run]:
 def live_check(cfg: DemoConfig, trace: pa.Table, policy: str = "unified") -> Run:
     """Emulators behind a proxy, in-process; replay the first requests through the proxy."""
     from kvroute.emulator import EmulatorConfig, emulator_app
-    from kvroute.proxy import ProxyConfig, ServerThread, proxy_app
+    from kvroute.proxy import Proxy, ProxyConfig, ServerThread
     from kvroute.replay import ReplayConfig, replay
 
     n = 16 if cfg.quick else cfg.live_requests
@@ -94,7 +94,7 @@ def live_check(cfg: DemoConfig, trace: pa.Table, policy: str = "unified") -> Run
             st.start(emulator_app(EmulatorConfig(speedup=cfg.speedup)))
             for _ in range(cfg.live_engines)
         ]
-        proxy = st.start(proxy_app(ProxyConfig(backends=urls, policy=policy)))
+        proxy = st.start(Proxy(ProxyConfig(backends=urls, policy=policy)))
         rc = ReplayConfig(
             url=proxy,
             mode=mode,

@@ -94,7 +94,7 @@ def _ready(what: str) -> Any:
 @click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
 def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
-    from kvroute.proxy import ProxyConfig, proxy_app, serve_forever
+    from kvroute.proxy import Proxy, ProxyConfig, serve_forever
 
     options = {"block_size": kw["block_size"], **_pairs(kw["router_opts"], "--router-option")}
     try:
@@ -116,7 +116,7 @@ def proxy(**kw: Any) -> None:
             admin_token=kw["admin_token"] or None,
             decision_log=kw["decision_log"],
         )
-        app = proxy_app(config)
+        app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
     serve_forever(

@@ -5,22 +5,23 @@ Every routing decision is the Rust :class:`kvroute.Router`; the proxy keys reque
 (:mod:`.backends`), reports (:mod:`.observe`) and can be changed at run time (:mod:`.admin`).
 See ``docs/proxy.md``.
 
->>> from kvroute.proxy import ProxyConfig, proxy_app
->>> app = proxy_app(ProxyConfig(backends=["http://127.0.0.1:8100"], policy="unified"))
+>>> from kvroute.proxy import Proxy, ProxyConfig, serve_forever
+>>> proxy = Proxy(ProxyConfig(backends=["http://127.0.0.1:8100"], policy="unified"))
+>>> serve_forever(proxy, "127.0.0.1", 8000)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from kvroute.proxy.app import PROXY, Proxy, proxy_app
+from kvroute.proxy.app import Proxy
 from kvroute.proxy.config import ProxyConfig
-from kvroute.proxy.serving import ServerThread, serve_forever, start_app
+from kvroute.proxy.serving import AppService, ServerThread, Service, serve_forever, start_app
 
 __all__ = [
-    "PROXY",
+    "AppService",
     "Proxy",
     "ProxyConfig",
     "ServerThread",
-    "proxy_app",
+    "Service",
     "serve_forever",
     "start_app",
 ]

@@ -20,8 +20,12 @@ from aiohttp import web
 
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy.backends import BackendPool
-from kvroute.proxy.handler import json_error
-from kvroute.proxy.prompts import BadRequest, parse_body
+from kvroute.proxy.prompts import BadRequest, error_body, parse_body
+
+
+def json_error(status: int, message: str, kind: str) -> web.Response:
+    """An OpenAI-style error answer of the side application."""
+    return web.json_response(error_body(message, kind, status), status=status)
 
 
 class Admin:

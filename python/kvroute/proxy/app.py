@@ -1,14 +1,17 @@
-"""The proxy application: routes, shared state, start-up and shutdown.
+"""The proxy: its parts, its two servers, start-up and shutdown.
 
-``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`.handler`), ``GET /v1/models``
-(relayed from a live backend), ``GET /health`` (200 while a backend is up, else 503),
-``GET /metrics`` (:mod:`.observe`), ``POST /tokenize`` (relayed), and the admin API
-(:mod:`.admin`) when there is a token. On start-up: one shared upstream ``ClientSession``
-(no connection limit beyond ``max_concurrency``), the health-check task and the decision-log
-flusher; on shutdown, all three are closed.
+Clients talk to :class:`~kvroute.proxy.front.FrontServer`, the proxy's own HTTP/1.1 server.
+``POST /v1/completions`` and ``POST /v1/chat/completions`` are forwarded from there
+(:mod:`.handler`); every other request is relayed to an aiohttp application on a private
+Unix socket (a loopback port where there are no Unix sockets), which serves ``GET
+/v1/models`` and ``POST /tokenize`` (relayed from a live backend), ``GET /health`` (200
+while a backend is up, else 503), ``GET /metrics`` (:mod:`.observe`) and the admin API
+(:mod:`.admin`) when there is a token. The aiohttp application also owns the health-check
+task, the decision-log flusher and the ``ClientSession`` of those side calls.
 
 :class:`Proxy` holds the router, backends, metrics and forwarder of one proxy; build it
-inside or outside a loop, then serve :meth:`Proxy.app`.
+anywhere, then ``url = await proxy.start(host, port)`` on the loop that will serve it, and
+``await proxy.close()``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
+import socket
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,12 +30,16 @@ import aiohttp
 from aiohttp import web
 
 import kvroute
-from kvroute.proxy.admin import Admin
+from kvroute.proxy.admin import Admin, json_error
 from kvroute.proxy.backends import BackendPool
 from kvroute.proxy.config import ProxyConfig
-from kvroute.proxy.handler import Forwarder, json_error
+from kvroute.proxy.front import FrontConnection, FrontServer, Request
+from kvroute.proxy.handler import DROP, HOP, Forwarder, upstream_request
+from kvroute.proxy.http1 import without
 from kvroute.proxy.keys import Keyer
 from kvroute.proxy.observe import DecisionLog, ProxyMetrics
+from kvroute.proxy.prompts import error_body
+from kvroute.proxy.upstream import Address, UpstreamPool
 
 log = logging.getLogger("kvroute.proxy")
 #: Time limit of the proxy's side calls to a backend (``/v1/models``, ``/tokenize``).
@@ -52,13 +63,93 @@ class Proxy:
             config, self.router, self.pool, self.keyer, self.metrics, self.decision_log
         )
         self.session: aiohttp.ClientSession | None = None
+        self.upstreams: UpstreamPool | None = None
+        self._front: FrontServer | None = None
+        self._side: web.AppRunner | None = None
+        self._side_address: Address = ("unix", "", 0)
+        self._dir: str | None = None
+        self._grace = 5.0
 
-    def app(self) -> web.Application:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, grace: float = 5.0) -> str:
+        """Serve on ``host:port`` (0: a free port); the proxy's URL. ``grace``: how long
+        :meth:`close` lets running requests finish."""
+        c = self.config
+        self._grace = grace
+        self.upstreams = self.forwarder.upstreams = UpstreamPool(
+            c.connect_timeout_s, c.request_timeout_s
+        )
+        self._side = web.AppRunner(
+            self.side_app(), handler_cancellation=True, access_log=None, shutdown_timeout=grace
+        )
+        await self._side.setup()
+        try:
+            if hasattr(socket, "AF_UNIX"):
+                self._dir = tempfile.mkdtemp(prefix="kvroute-proxy-")
+                path = os.path.join(self._dir, "side.sock")
+                await web.UnixSite(self._side, path).start()
+                self._side_address = ("unix", path, 0)
+            else:  # pragma: no cover - platforms without Unix sockets
+                site = web.TCPSite(self._side, "127.0.0.1", 0)
+                await site.start()
+                self._side_address = ("http", "127.0.0.1", self._side.addresses[0][1])
+            self._front = FrontServer(self._serve, c.max_body_bytes)
+            bound = await self._front.start(host, port)
+        except BaseException:
+            await self.close()
+            raise
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{bound}"
+
+    async def close(self) -> None:
+        """Stop serving: running requests get the grace period, then everything closes."""
+        if self._front is not None:
+            await self._front.close(self._grace)
+            self._front = None
+        if self.upstreams is not None:
+            self.upstreams.close()
+        if self._side is not None:
+            await self._side.cleanup()
+            self._side = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    async def _serve(self, req: Request, down: FrontConnection) -> None:
+        head = req.head
+        if head.method == "POST" and head.path in _FORWARDED:
+            await self.forwarder.handle(req, down, chat=head.path == "/v1/chat/completions")
+        else:
+            await self._to_side(req, down)
+
+    async def _to_side(self, req: Request, down: FrontConnection) -> None:
+        """Relay a request to the side application and its answer back."""
+        assert self.upstreams is not None
+        headers = without(req.head.headers, HOP)
+        data = upstream_request(req.head.method, req.head.target, "kvroute", headers, req.body)
+        try:
+            ex = (await self.upstreams.acquire(self._side_address)).send(data, stream=False)
+        except (TimeoutError, OSError) as exc:
+            self._side_failed(down, exc)
+            return
+        try:
+            await ex.done
+        except asyncio.CancelledError:
+            ex.abort()
+            raise
+        if ex.error is not None:
+            self._side_failed(down, ex.error)
+            return
+        down.send(ex.status, without(ex.headers, DROP), b"".join(ex.body))
+
+    @staticmethod
+    def _side_failed(down: FrontConnection, error: BaseException) -> None:
+        log.error("the proxy's side application failed: %r", error)
+        down.send_json(502, error_body("internal proxy error", "internal_error", 502))
+
+    def side_app(self) -> web.Application:
+        """The aiohttp application of everything but the forwarded requests."""
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        app[PROXY] = self
         r = app.router
-        r.add_post("/v1/completions", self._completions)
-        r.add_post("/v1/chat/completions", self._chat)
         r.add_get("/v1/models", self._relay_get)
         r.add_post("/tokenize", self._relay_post)
         r.add_get("/health", self._health)
@@ -82,7 +173,6 @@ class Proxy:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
-        self.forwarder.session = self.session
         tasks = [asyncio.create_task(self.pool.health_loop(self.session))]
         if self.decision_log is not None:
             tasks.append(asyncio.create_task(self._flush_loop(self.decision_log)))
@@ -103,12 +193,6 @@ class Proxy:
         while True:
             await asyncio.sleep(1.0)
             decision_log.flush()
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.forwarder.handle(request, chat=False)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self.forwarder.handle(request, chat=True)
 
     async def _relay_once(self, method: str, path: str, data: bytes | None) -> web.Response:
         assert self.session is not None
@@ -164,9 +248,4 @@ class Proxy:
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
 
-PROXY: web.AppKey[Proxy] = web.AppKey("kvroute.proxy")
-
-
-def proxy_app(config: ProxyConfig) -> web.Application:
-    """A ready aiohttp application of a proxy with ``config``."""
-    return Proxy(config).app()
+_FORWARDED = frozenset(("/v1/completions", "/v1/chat/completions"))

@@ -17,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 import kvroute
 from kvroute.errors import InvalidArgumentError, UnknownInstanceError
 from kvroute.proxy.config import ProxyConfig, normalize_url
+from kvroute.proxy.upstream import Address, address_of
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -39,6 +41,14 @@ class Backend:
     removed: bool = False
     failures: int = 0
     successes: int = 0
+    #: Where requests go: the URL's address, ``Host`` header and path prefix.
+    address: Address = field(init=False)
+    host: str = field(init=False)
+    prefix: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.address, self.prefix = address_of(self.url)
+        self.host = urlsplit(self.url).netloc
 
     def describe(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "up": self.up, "removed": self.removed}

@@ -11,8 +11,14 @@ client is finished in the router and retried on the next choice (the failed back
 hidden from the router for that one decision), up to ``retries`` more times; a stalled
 backend (no byte within ``request_timeout_s``) gives 504 without retry; a backend failing
 mid-stream ends the client's stream with an OpenAI-style ``error`` event; a client that
-disconnects closes the upstream connection (vLLM then aborts the request). The body is sent
-upstream byte for byte.
+disconnects closes the upstream connection (vLLM then aborts the request). A kept-alive
+upstream connection that turns out closed before answering a byte is replaced by a new one
+to the same backend once, without counting a failure. The body is sent upstream byte for
+byte.
+
+The relay of a stream runs in the upstream connection's ``data_received``: each chunk from
+the backend is written to the client as it comes (:mod:`.upstream`, :mod:`.front`), with no
+task switch per chunk.
 
 Per request: O(prompt) keying plus one router decision; loop-affine.
 """
@@ -21,28 +27,27 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
-
 import kvroute
 from kvroute.errors import NoInstanceAvailableError
 from kvroute.proxy.backends import Backend, BackendPool
 from kvroute.proxy.config import ProxyConfig
+from kvroute.proxy.front import FrontConnection, Request
+from kvroute.proxy.http1 import Headers, without
 from kvroute.proxy.keys import Keyer, Keys, session_of
 from kvroute.proxy.observe import BackendMetrics, DecisionLog, ProxyMetrics
 from kvroute.proxy.prompts import BadRequest, error_body, parse_body, wants_stream
+from kvroute.proxy.upstream import Exchange, UpstreamPool
 
 if TYPE_CHECKING:
     from kvroute._core import RouteInfo
 
-_HOP = frozenset(
+#: Request headers not forwarded (hop-by-hop, framing, and compression: answers come plain).
+HOP = frozenset(
     (
         "connection",
         "keep-alive",
@@ -54,28 +59,23 @@ _HOP = frozenset(
         "upgrade",
         "host",
         "content-length",
+        "expect",
         "accept-encoding",
     )
 )
-_DROP = frozenset(
-    (
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "content-length",
-        "content-encoding",
-        "date",
-        "server",
-    )
-)
+#: Answer headers not relayed (hop-by-hop and framing: the proxy frames its own answers).
+DROP = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length"))
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _RETRY_STATUS = frozenset((500, 502, 503, 504))
 _TAIL = 2048
 
 
-def json_error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, kind, status, param), status=status)
+def upstream_request(method: str, target: str, host: str, headers: Headers, body: bytes) -> bytes:
+    """An HTTP/1.1 request: head and body."""
+    lines = [f"{method} {target} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
+    lines.extend(f"{k}: {v}" for k, v in headers)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 @dataclass
@@ -85,13 +85,14 @@ class _Fail(Exception):
     message: str
     retry: bool
     body: bytes | None = None
-    content_type: str = "application/json"
+    headers: Headers | None = None
 
-    def response(self) -> web.Response:
+    def answer(self, down: FrontConnection) -> None:
         if self.body is not None:
-            return web.Response(body=self.body, status=self.status, content_type=self.content_type)
+            down.send(self.status, self.headers or [], self.body)
+            return
         kind = "gateway_timeout" if self.status == 504 else "bad_gateway"
-        return json_error(self.status, self.message, kind)
+        down.send_json(self.status, error_body(self.message, kind, self.status))
 
 
 class Forwarder:
@@ -108,35 +109,25 @@ class Forwarder:
     ) -> None:
         self.config, self.router, self.pool, self.keyer = config, router, pool, keyer
         self.metrics, self.log = metrics, decision_log
-        self.session: aiohttp.ClientSession | None = None
+        self.upstreams: UpstreamPool | None = None
+        self._session_header = config.session_header.lower()
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._ids = itertools.count(1)
 
-    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def handle(self, req: Request, down: FrontConnection, chat: bool) -> None:
         """``POST /v1/completions`` or ``/v1/chat/completions``."""
-        t0 = time.perf_counter()
-        limit = self.config.max_body_bytes
-        if (request.content_length or 0) > limit:
-            return json_error(
-                413, f"the request body exceeds {limit} bytes", "invalid_request_error"
-            )
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return json_error(
-                413, f"the request body exceeds {limit} bytes", "invalid_request_error"
-            )
-        try:
-            body = parse_body(raw)
+            body = parse_body(req.body)
             stream = wants_stream(body)
             keys, n_in = await self.keyer.keys(body, chat)
         except BadRequest as exc:
             self.metrics.error("bad_request")
-            return json_error(400, str(exc), "invalid_request_error", exc.param)
-        session = session_of(request, body, self.config.session_header, self.config.session_field)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+            down.send_json(400, error_body(str(exc), "invalid_request_error", 400, exc.param))
+            return
+        session = session_of(req.head.get(self._session_header), body, self.config.session_field)
+        headers = without(req.head.headers, HOP)
         async with self._sem:
-            return await self._forward(request, raw, headers, stream, keys, n_in, session, t0)
+            await self._forward(req, down, headers, stream, keys, n_in, session)
 
     def _route(self, rid: int, keys: Keys, n_in: int, session: Any, hide: list[int]) -> RouteInfo:
         hidden = [i for i in hide if self.pool.get(i).up and not self.pool.get(i).removed]
@@ -150,18 +141,18 @@ class Forwarder:
 
     async def _forward(
         self,
-        request: web.Request,
-        raw: bytes,
-        headers: dict[str, str],
+        req: Request,
+        down: FrontConnection,
+        headers: Headers,
         stream: bool,
         keys: Keys,
         n_in: int,
         session: Any,
-        t0: float,
-    ) -> web.StreamResponse:
+    ) -> None:
         rid = next(self._ids)
         tried: list[int] = []
         fail: _Fail | None = None
+        ex: Exchange | None = None
         try:
             for attempt in range(self.config.retries + 1):
                 terms = None if self.log is None else DecisionLog.terms(self.router, keys, n_in)
@@ -169,11 +160,15 @@ class Forwarder:
                     info = self._route(rid, keys, n_in, session, tried)
                 except NoInstanceAvailableError:
                     if fail is not None:
-                        return fail.response()
+                        fail.answer(down)
+                        return
                     self.metrics.error("no_backend")
-                    return json_error(503, "no backend is available", "service_unavailable")
+                    down.send_json(
+                        503, error_body("no backend is available", "service_unavailable", 503)
+                    )
+                    return
                 if attempt == 0:
-                    self.metrics.routing.observe(time.perf_counter() - t0)
+                    self.metrics.routing.observe(time.perf_counter() - req.t0)
                 b = self.pool.get(info["instance"])
                 bm = self.metrics.backend(b.url)
                 bm.decision(info["branch"])
@@ -181,7 +176,7 @@ class Forwarder:
                 if self.log is not None:
                     self._log_decision(rid, session, n_in, info, b, attempt, terms)
                 try:
-                    upstream, first = await self._attempt(b, request.path, raw, headers, stream)
+                    ex = await self._attempt(b, req, headers, stream)
                 except _Fail as f:
                     self.router.finish(rid)
                     bm.error(f.kind)
@@ -191,114 +186,108 @@ class Forwarder:
                     if f.retry and attempt < self.config.retries:
                         bm.retries.inc()
                         continue
-                    return f.response()
+                    f.answer(down)
+                    return
                 break
             else:  # pragma: no cover - the loop always returns or breaks
                 raise AssertionError("unreachable")
             self.pool.success(b)
-            extra = {
-                "X-Kvroute-Instance": str(b.index),
-                "X-Kvroute-Backend": b.url,
-                "X-Kvroute-Hit-Tokens": str(info["hit_tokens"]),
-            }
-            if stream and upstream.status == 200:
-                return await self._relay(request, upstream, first, b, bm, rid, extra, t0)
-            upstream.release()
-            self._usage(bm, first)
-            bm.e2e.observe(time.perf_counter() - t0)
-            return web.Response(body=first, status=upstream.status, headers=_relay(upstream, extra))
+            relayed = without(ex.headers, DROP)
+            relayed += [
+                ("X-Kvroute-Instance", str(b.index)),
+                ("X-Kvroute-Backend", b.url),
+                ("X-Kvroute-Hit-Tokens", str(info["hit_tokens"])),
+            ]
+            if stream and ex.status == 200:
+                await self._relay(req, down, ex, relayed, b, bm, rid)
+                return
+            body = b"".join(ex.body)
+            self._usage(bm, body)
+            bm.e2e.observe(time.perf_counter() - req.t0)
+            down.send(ex.status, relayed, body)
         except asyncio.CancelledError:
             self.metrics.error("client_disconnect")
             raise
         finally:
+            if ex is not None:
+                ex.abort()
             self.router.finish(rid)
 
-    async def _attempt(
-        self, b: Backend, path: str, raw: bytes, headers: dict[str, str], stream: bool
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
-        """Send to ``b``; the response and its first bytes (a stream's first chunk, or the
-        whole body)."""
-        assert self.session is not None
-        try:
-            upstream = await self.session.post(b.url + path, data=raw, headers=headers)
-        except aiohttp.SocketTimeoutError as exc:
-            raise _Fail("timeout", 504, f"backend {b.index} timed out", False) from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise _Fail("connect", 502, f"backend {b.index} failed: {exc!r}", True) from exc
-        try:
-            if upstream.status in _RETRY_STATUS:
-                body = await upstream.read()
-                ctype = upstream.content_type
-                raise _Fail("status", upstream.status, "", True, body, ctype)
-            if stream and upstream.status == 200:
-                first = await upstream.content.readany()
-                if not first:
-                    raise _Fail("connect", 502, f"backend {b.index} sent an empty stream", True)
-                return upstream, first
-            return upstream, await upstream.read()
-        except _Fail:
-            upstream.close()
-            raise
-        except aiohttp.SocketTimeoutError as exc:
-            upstream.close()
-            raise _Fail("timeout", 504, f"backend {b.index} timed out", False) from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            upstream.close()
-            raise _Fail("connect", 502, f"backend {b.index} failed: {exc!r}", True) from exc
-        except BaseException:
-            upstream.close()
-            raise
+    async def _attempt(self, b: Backend, req: Request, headers: Headers, stream: bool) -> Exchange:
+        """Send to ``b``; the exchange, once a stream's first bytes (or the whole answer)
+        are in."""
+        assert self.upstreams is not None
+        data = upstream_request(
+            req.head.method, b.prefix + req.head.target, b.host, headers, req.body
+        )
+        fresh = False
+        while True:
+            try:
+                conn = await self.upstreams.acquire(b.address, fresh)
+            except (TimeoutError, OSError) as exc:
+                raise _Fail("connect", 502, f"backend {b.index} failed: {exc!r}", True) from exc
+            ex = conn.send(data, stream)
+            try:
+                await ex.ready
+            except asyncio.CancelledError:
+                ex.abort()
+                raise
+            if ex.error is None:
+                break
+            if isinstance(ex.error, TimeoutError):
+                raise _Fail("timeout", 504, f"backend {b.index} timed out", False)
+            if ex.reused and ex.received == 0 and not fresh:
+                fresh = True  # a kept-alive connection the backend had closed: once more
+                continue
+            raise _Fail("connect", 502, f"backend {b.index} failed: {ex.error!r}", True)
+        if ex.status in _RETRY_STATUS:
+            await ex.done
+            if ex.error is not None:
+                raise _Fail("connect", 502, f"backend {b.index} failed: {ex.error!r}", True)
+            relayed = without(ex.headers, DROP)
+            raise _Fail("status", ex.status, "", True, b"".join(ex.body), relayed)
+        if stream and ex.status == 200 and not ex.body:
+            raise _Fail("connect", 502, f"backend {b.index} sent an empty stream", True)
+        return ex
 
     async def _relay(
         self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        first: bytes,
+        req: Request,
+        down: FrontConnection,
+        ex: Exchange,
+        headers: Headers,
         b: Backend,
         bm: BackendMetrics,
         rid: int,
-        extra: dict[str, str],
-        t0: float,
-    ) -> web.StreamResponse:
-        """Relay a stream chunk by chunk, as it comes."""
+    ) -> None:
+        """Relay a stream chunk by chunk, as it comes (from the upstream's callbacks)."""
         self.router.first_token(rid)
-        bm.ttft.observe(time.perf_counter() - t0)
-        clean = False
-        resp = web.StreamResponse(status=200, headers=_relay(upstream, extra))
-        try:
-            await resp.prepare(request)
-            await resp.write(first)
-            tail = first[-_TAIL:]
-            content = upstream.content
-            while True:
-                try:
-                    chunk = await content.readany()
-                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                    timeout = isinstance(exc, asyncio.TimeoutError)
-                    bm.error("timeout" if timeout else "midstream")
-                    self.pool.failure(b)
-                    what = "timed out" if timeout else f"failed: {exc!r}"
-                    err = error_body(f"backend {b.index} {what} mid-stream", "bad_gateway", 502)
-                    await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-                    await resp.write_eof()
-                    return resp
-                if not chunk:
-                    break
-                await resp.write(chunk)
-                tail = (tail + chunk)[-_TAIL:]
-            clean = True
-            self._usage(bm, tail)
-            await resp.write_eof()
-            bm.e2e.observe(time.perf_counter() - t0)
-            return resp
-        except ConnectionError:  # the client went away while we wrote
-            bm.error("client_disconnect")
-            return resp
-        finally:
-            if clean:
-                upstream.release()
-            else:
-                upstream.close()
+        bm.ttft.observe(time.perf_counter() - req.t0)
+        first = b"".join(ex.body)
+        tail = first[-_TAIL:]
+
+        def relay(data: bytes, end: bool) -> None:
+            nonlocal tail
+            down.write(data, end)
+            tail = (tail + data)[-_TAIL:]
+
+        ex.relay = relay
+        down.flow = ex
+        down.start(200, headers, first)
+        await ex.done
+        down.flow = None
+        if ex.error is not None:
+            timeout = isinstance(ex.error, TimeoutError)
+            bm.error("timeout" if timeout else "midstream")
+            self.pool.failure(b)
+            what = "timed out" if timeout else f"failed: {ex.error!r}"
+            err = error_body(f"backend {b.index} {what} mid-stream", "bad_gateway", 502)
+            down.write(b"data: " + _json(err) + b"\n\n")
+            down.end()
+            return
+        self._usage(bm, tail)
+        down.end()
+        bm.e2e.observe(time.perf_counter() - req.t0)
 
     def _usage(self, bm: BackendMetrics, data: bytes) -> None:
         cached = _CACHED.findall(data)
@@ -335,9 +324,7 @@ class Forwarder:
         )
 
 
-def _relay(upstream: aiohttp.ClientResponse, extra: dict[str, str]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in upstream.headers.items() if k.lower() not in _DROP
-    )
-    out.update(extra)
-    return out
+def _json(obj: Any) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from aiohttp import web
 
 import kvroute
 from kvroute.errors import KvrouteError
@@ -84,9 +83,9 @@ class Keyer:
         return approx_keys(prompt, self.block_size)
 
 
-def session_of(request: web.Request, body: dict[str, Any], header: str, fld: str | None) -> Any:
-    """The session id of a request (a string or an int), or None."""
-    value = request.headers.get(header)
+def session_of(value: str | None, body: dict[str, Any], fld: str | None) -> Any:
+    """The session id of a request (a string or an int), or None: the session header's
+    ``value`` when there is one, else the body's field ``fld``."""
     if value:
         return value
     if fld is not None:

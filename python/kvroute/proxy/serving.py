@@ -1,12 +1,14 @@
-"""Serving aiohttp applications, for the proxy and the emulator alike.
+"""Serving the proxy and aiohttp applications (the emulator, test backends) alike.
 
 * :func:`new_event_loop`: uvloop's loop when uvloop is installed (and not disabled), else
   asyncio's.
+* :class:`Service`: what can be served: :class:`kvroute.proxy.Proxy`, or an aiohttp
+  application wrapped in :class:`AppService`.
 * :func:`start_app`: a runner with handler cancellation on (a client that disconnects
   cancels its handler, so upstream work is cancelled at once), no access log, and a short
   shutdown; returns the runner and the bound URL (port 0 picks a free port).
-* :func:`serve_forever`: run one application until SIGINT/SIGTERM (the CLI).
-* :class:`ServerThread`: an event loop in a daemon thread that hosts applications for tests,
+* :func:`serve_forever`: run one service until SIGINT/SIGTERM (the CLI).
+* :class:`ServerThread`: an event loop in a daemon thread that hosts services for tests,
   benchmarks and notebooks; its methods are called from other threads.
 """
 
@@ -16,12 +18,41 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
 T = TypeVar("T")
+
+
+class Service(Protocol):
+    """Something that listens: ``start`` returns its URL, ``close`` stops it."""
+
+    async def start(self, host: str, port: int, grace: float) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class AppService:
+    """An aiohttp application as a :class:`Service`."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, grace: float) -> str:
+        self.runner, url = await start_app(self.app, host, port, shutdown_timeout=grace)
+        return url
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+def as_service(app: web.Application | Service) -> Service:
+    return AppService(app) if isinstance(app, web.Application) else app
 
 
 def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
@@ -56,7 +87,7 @@ async def start_app(
 
 
 def serve_forever(
-    app: web.Application,
+    app: web.Application | Service,
     host: str,
     port: int,
     *,
@@ -64,9 +95,10 @@ def serve_forever(
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM; ``on_ready(url)`` once it listens."""
+    service = as_service(app)
 
     async def main() -> None:
-        runner, url = await start_app(app, host, port, shutdown_timeout=5.0)
+        url = await service.start(host, port, 5.0)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -77,7 +109,7 @@ def serve_forever(
         try:
             await stop.wait()
         finally:
-            await runner.cleanup()
+            await service.close()
 
     with asyncio.Runner(loop_factory=lambda: new_event_loop(use_uvloop)) as r:
         r.run(main())
@@ -88,7 +120,7 @@ class ServerThread:
 
     def __init__(self, use_uvloop: bool = False) -> None:
         self.loop = new_event_loop(use_uvloop)
-        self._runners: dict[str, web.AppRunner] = {}
+        self._services: dict[str, Service] = {}
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
@@ -104,25 +136,24 @@ class ServerThread:
 
         return self.call(wrap(), timeout)
 
-    def start(self, app: web.Application | Callable[[], Awaitable[web.Application]]) -> str:
-        """Serve an application (or an async factory of one) on 127.0.0.1, a free port."""
+    def start(self, app: web.Application | Service) -> str:
+        """Serve a service or an aiohttp application on 127.0.0.1, a free port; its URL."""
 
         async def go() -> str:
-            the_app = app if isinstance(app, web.Application) else await app()
-            runner, url = await start_app(the_app, shutdown_timeout=0.5)
-            self._runners[url] = runner
+            service = as_service(app)
+            url = await service.start("127.0.0.1", 0, 0.5)
+            self._services[url] = service
             return url
 
         return self.call(go())
 
     def stop(self, url: str) -> None:
-        """Stop one application: close its port and its connections."""
-        runner = self._runners.pop(url)
-        self.call(runner.cleanup())
+        """Stop one service: close its port and its connections."""
+        self.call(self._services.pop(url).close())
 
     def close(self) -> None:
-        """Stop every application and the loop."""
-        for url in list(self._runners):
+        """Stop every service and the loop."""
+        for url in list(self._services):
             self.stop(url)
 
         async def drain() -> None:
