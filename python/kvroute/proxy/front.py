@@ -190,9 +190,10 @@ class FrontConnection(asyncio.Protocol):
             if self._head is None:
                 self._buf = self._buf.lstrip(b"\r\n")
                 end = self._buf.find(b"\r\n\r\n")
+                if end > MAX_HEAD or (end < 0 and len(self._buf) > MAX_HEAD):
+                    self._refuse(431, "the request head exceeds 64 KiB")
+                    return
                 if end < 0:
-                    if len(self._buf) > MAX_HEAD:
-                        self._refuse(431, "the request head exceeds 64 KiB")
                     return
                 try:
                     head = parse_request_head(self._buf[:end])

@@ -1,0 +1,271 @@
+"""The proxy's HTTP/1.1 on the wire: keep-alive, pipelining, request framings, refusals,
+HTTP/1.0 clients, slow readers, and backends that close kept-alive connections."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from aiohttp import web
+
+from kvroute.proxy import Proxy, ProxyConfig, ServerThread
+from kvroute.proxy.front import FrontConnection
+from kvroute.proxy.http1 import ResponseHead, body_reader, parse_response_head
+from livekit import http, wait_until
+
+
+class Backend:
+    """A fake engine: echoes bodies, streams ``n`` chunks of ``size`` bytes on request, and
+    records the client ports it saw."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.ports: set[int] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", _ok)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.bodies.append(raw)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        if peer:
+            self.ports.add(peer[1])
+        body = json.loads(raw)
+        if not body.get("stream"):
+            return web.json_response({"echo": len(raw)})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n, size = body.get("n", 2), body.get("size", 8)
+        for i in range(n):
+            await resp.write(b"data: " + str(i % 10).encode() * size + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _ok(_request: web.Request) -> web.Response:
+    return web.Response()
+
+
+@pytest.fixture(scope="module")
+def proxied() -> Iterator[tuple[str, Backend, Proxy]]:
+    with ServerThread() as st:
+        backend = Backend()
+        proxy = Proxy(ProxyConfig(backends=[st.start(backend.app())], max_body_bytes=100_000))
+        yield st.start(proxy), backend, proxy
+
+
+def connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+
+
+def post(body: dict[str, Any] | bytes, *headers: str, version: str = "1.1") -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    head = [f"POST /v1/completions HTTP/{version}", "Host: x", f"Content-Length: {len(data)}"]
+    return ("\r\n".join([*head, *headers]) + "\r\n\r\n").encode() + data
+
+
+class Reader:
+    """Responses off a socket, one after another."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf = sock, b""
+
+    def _more(self) -> bytes:
+        got = self.sock.recv(65536)
+        if not got:
+            raise EOFError
+        return got
+
+    def response(self) -> tuple[ResponseHead, bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            self.buf += self._more()
+        raw, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        head = parse_response_head(raw)
+        reader = body_reader(head)
+        body, self.buf = reader.feed(self.buf)
+        while not reader.done:
+            try:
+                got, self.buf = reader.feed(self._more())
+            except EOFError:
+                reader.eof()
+                break
+            body += got
+        return head, b"".join(body)
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def test_keep_alive_and_pipelining(proxied: tuple[str, Backend, Proxy]) -> None:
+    url, backend, proxy = proxied
+    with connect(url) as sock:
+        r = Reader(sock)
+        sock.sendall(post({"prompt": [1]}) + post({"prompt": [2], "stream": True}))
+        head, body = r.response()
+        assert head.status == 200 and json.loads(body)["echo"] == len(b'{"prompt": [1]}')
+        head, body = r.response()
+        assert head.status == 200 and head.get("transfer-encoding") == "chunked"
+        assert body.endswith(b"data: [DONE]\n\n")
+        for i in range(10):
+            sock.sendall(post({"prompt": [3, i]}))
+            assert r.response()[0].status == 200
+    assert len(backend.ports) <= 2  # kept-alive upstream connections, reused
+    wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+
+
+def test_chunked_and_expect_continue_requests(proxied: tuple[str, Backend, Proxy]) -> None:
+    url, backend, _ = proxied
+    data = json.dumps({"prompt": [7, 8, 9]}).encode()
+    with connect(url) as sock:
+        r = Reader(sock)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        sock.sendall(head + b"5\r\n" + data[:5] + b"\r\n")
+        time.sleep(0.05)
+        sock.sendall(b"%x\r\n" % (len(data) - 5) + data[5:] + b"\r\n0\r\n\r\n")
+        assert r.response()[0].status == 200
+        assert backend.bodies[-1] == data  # forwarded as one body with its length
+        sock.sendall(post(data, "Expect: 100-continue").split(b"\r\n\r\n")[0] + b"\r\n\r\n")
+        assert r.response()[0].status == 100
+        sock.sendall(data)
+        assert r.response()[0].status == 200
+
+
+def test_http10_client_gets_a_close_delimited_stream(proxied: tuple[str, Backend, Proxy]) -> None:
+    url, _, _ = proxied
+    with connect(url) as sock:
+        sock.sendall(post({"prompt": [1], "stream": True, "n": 3}, version="1.0"))
+        r = Reader(sock)
+        head, body = r.response()
+        assert head.status == 200 and head.get("transfer-encoding") is None
+        assert body.count(b"data: ") == 4 and r.closed()
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"NOT HTTP\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\n\r\n", 505),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+        (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+        (b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 200000\r\n\r\n", 413),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + (b"8000\r\n" + b"1" * 0x8000 + b"\r\n") * 4,
+            413,
+        ),
+    ],
+)
+def test_unreadable_requests_are_refused_and_closed(
+    proxied: tuple[str, Backend, Proxy], raw: bytes, status: int
+) -> None:
+    url, _, proxy = proxied
+    with connect(url) as sock:
+        sock.sendall(raw)
+        r = Reader(sock)
+        head, body = r.response()
+        assert head.status == status and json.loads(body)["error"]["code"] == status
+        assert r.closed()
+    wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+
+
+def test_a_slow_reader_gets_every_byte(
+    proxied: tuple[str, Backend, Proxy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _, proxy = proxied
+    pauses = []
+    pause = FrontConnection.pause_writing
+
+    def counted(self: FrontConnection) -> None:
+        pauses.append(self.flow is not None)
+        pause(self)
+
+    monkeypatch.setattr(FrontConnection, "pause_writing", counted)
+    with connect(url) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(post({"prompt": [1], "stream": True, "n": 300, "size": 20000}))
+        time.sleep(0.3)  # the proxy's buffer to this client fills up meanwhile
+        head, body = Reader(sock).response()
+    events = [e for e in body.split(b"\n\n") if e]
+    assert head.status == 200 and len(events) == 301
+    assert all(e == b"data: " + str(i % 10).encode() * 20000 for i, e in enumerate(events[:-1]))
+    assert any(pauses)  # the upstream was paused while the client lagged
+    wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+
+
+class OneShotBackend:
+    """A raw engine that answers one request per connection and closes it when the next
+    request arrives (a keep-alive timeout that races the proxy), or, with ``http10``,
+    answers with an HTTP/1.0 body that ends with the connection."""
+
+    def __init__(self, http10: bool = False) -> None:
+        self.http10 = http10
+        self.connections = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        answered = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /health"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                if answered and not self.http10:
+                    break  # closes without a byte, as a server whose idle timer fired
+                answered += 1
+                if self.http10:
+                    writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+                    writer.write(b"data: 1\n\ndata: [DONE]\n\n")
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+@pytest.mark.parametrize("http10", [False, True])
+def test_backends_closing_kept_alive_connections(http10: bool) -> None:
+    fake = OneShotBackend(http10)
+
+    async def start() -> asyncio.Server:
+        return await asyncio.start_server(fake.serve, "127.0.0.1", 0)
+
+    async def stop(server: asyncio.Server) -> None:
+        server.close()
+        await server.wait_closed()
+
+    with ServerThread() as st:
+        server = st.call(start())
+        backend = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        proxy = Proxy(ProxyConfig(backends=[backend], retries=0))
+        url = st.start(proxy)
+        for i in range(5):
+            body = {"prompt": [i], "stream": http10}
+            status, _, raw = http("POST", url + "/v1/completions", body)
+            assert status == 200, raw
+            assert raw.endswith(b"data: [DONE]\n\n") if http10 else raw == b"{}"
+        text = http("GET", url + "/metrics")[2].decode()
+        assert "kvroute_proxy_errors_total{" not in text  # nothing counted as a failure
+        wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+        assert proxy.router.state()[0]["available"]
+        assert fake.connections >= 5
+        st.stop(url)
+        st.call(stop(server))
