@@ -269,3 +269,19 @@ def test_backends_closing_kept_alive_connections(http10: bool) -> None:
         assert fake.connections >= 5
         st.stop(url)
         st.call(stop(server))
+
+
+def test_head_requests_to_the_side_endpoints(proxied: tuple[str, Backend, Proxy]) -> None:
+    url, _, _ = proxied
+    with connect(url) as sock:
+        sock.sendall(
+            b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        r = Reader(sock)
+        while b"\r\n\r\n" not in r.buf:
+            r.buf += r._more()
+        raw, r.buf = r.buf.split(b"\r\n\r\n", 1)
+        head = parse_response_head(raw)  # an answer to HEAD: its length, no body
+        assert head.status == 200 and int(head.get("content-length") or 0) > 0
+        head, body = r.response()
+        assert head.status == 200 and json.loads(body)["backends_up"] == 1

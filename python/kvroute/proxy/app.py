@@ -126,8 +126,10 @@ class Proxy:
         assert self.upstreams is not None
         headers = without(req.head.headers, HOP)
         data = upstream_request(req.head.method, req.head.target, "kvroute", headers, req.body)
+        bodiless = req.head.method == "HEAD"
         try:
-            ex = (await self.upstreams.acquire(self._side_address)).send(data, stream=False)
+            conn = await self.upstreams.acquire(self._side_address)
+            ex = conn.send(data, stream=False, bodiless=bodiless)
         except (TimeoutError, OSError) as exc:
             self._side_failed(down, exc)
             return
@@ -139,7 +141,9 @@ class Proxy:
         if ex.error is not None:
             self._side_failed(down, ex.error)
             return
-        down.send(ex.status, without(ex.headers, DROP), b"".join(ex.body))
+        length = next((v for k, v in ex.headers if k.lower() == "content-length"), "0")
+        body = b"".join(ex.body)
+        down.send(ex.status, without(ex.headers, DROP), body, length if bodiless else None)
 
     @staticmethod
     def _side_failed(down: FrontConnection, error: BaseException) -> None:

@@ -103,9 +103,10 @@ class FrontConnection(asyncio.Protocol):
         self._writing_paused = False
 
     # -- answering (the handler's side)
-    def send(self, status: int, headers: Headers, body: bytes) -> None:
-        """A whole answer."""
-        headers = [*headers, ("content-length", str(len(body)))]
+    def send(self, status: int, headers: Headers, body: bytes, length: str | None = None) -> None:
+        """A whole answer; ``length`` (the ``Content-Length`` of an answer to ``HEAD``, which
+        has no body) stands for ``len(body)``."""
+        headers = [*headers, ("content-length", length or str(len(body)))]
         if not self._keep:
             headers.append(("connection", "close"))
         self._state = 2

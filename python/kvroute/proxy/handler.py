@@ -29,7 +29,9 @@ import asyncio
 import itertools
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import kvroute
@@ -175,8 +177,9 @@ class Forwarder:
                 bm.estimated.inc(info["hit_tokens"])
                 if self.log is not None:
                     self._log_decision(rid, session, n_in, info, b, attempt, terms)
+                start = partial(self._start_stream, down, b, info, bm, rid, req.t0)
                 try:
-                    ex = await self._attempt(b, req, headers, stream)
+                    ex = await self._attempt(b, req, headers, stream, start)
                 except _Fail as f:
                     self.router.finish(rid)
                     bm.error(f.kind)
@@ -191,20 +194,14 @@ class Forwarder:
                 break
             else:  # pragma: no cover - the loop always returns or breaks
                 raise AssertionError("unreachable")
-            self.pool.success(b)
-            relayed = without(ex.headers, DROP)
-            relayed += [
-                ("X-Kvroute-Instance", str(b.index)),
-                ("X-Kvroute-Backend", b.url),
-                ("X-Kvroute-Hit-Tokens", str(info["hit_tokens"])),
-            ]
-            if stream and ex.status == 200:
-                await self._relay(req, down, ex, relayed, b, bm, rid)
+            if isinstance(ex.relay, _Stream):
+                await self._end_stream(down, ex, ex.relay, b, bm, req.t0)
                 return
+            self.pool.success(b)
             body = b"".join(ex.body)
             self._usage(bm, body)
             bm.e2e.observe(time.perf_counter() - req.t0)
-            down.send(ex.status, relayed, body)
+            down.send(ex.status, _answer_headers(ex, b, info), body)
         except asyncio.CancelledError:
             self.metrics.error("client_disconnect")
             raise
@@ -213,9 +210,16 @@ class Forwarder:
                 ex.abort()
             self.router.finish(rid)
 
-    async def _attempt(self, b: Backend, req: Request, headers: Headers, stream: bool) -> Exchange:
-        """Send to ``b``; the exchange, once a stream's first bytes (or the whole answer)
-        are in."""
+    async def _attempt(
+        self,
+        b: Backend,
+        req: Request,
+        headers: Headers,
+        stream: bool,
+        start: Callable[[Exchange], None],
+    ) -> Exchange:
+        """Send to ``b``; the exchange, once a streamed answer has started (``start``, called
+        from the upstream's callback at its first bytes) or the whole answer is in."""
         assert self.upstreams is not None
         data = upstream_request(
             req.head.method, b.prefix + req.head.target, b.host, headers, req.body
@@ -227,12 +231,13 @@ class Forwarder:
             except (TimeoutError, OSError) as exc:
                 raise _Fail("connect", 502, f"backend {b.index} failed: {exc!r}", True) from exc
             ex = conn.send(data, stream)
+            ex.on_first = start
             try:
                 await ex.ready
             except asyncio.CancelledError:
                 ex.abort()
                 raise
-            if ex.error is None:
+            if ex.error is None or ex.relay is not None:
                 break
             if isinstance(ex.error, TimeoutError):
                 raise _Fail("timeout", 504, f"backend {b.index} timed out", False)
@@ -250,30 +255,38 @@ class Forwarder:
             raise _Fail("connect", 502, f"backend {b.index} sent an empty stream", True)
         return ex
 
-    async def _relay(
+    def _start_stream(
         self,
-        req: Request,
         down: FrontConnection,
-        ex: Exchange,
-        headers: Headers,
         b: Backend,
+        info: RouteInfo,
         bm: BackendMetrics,
         rid: int,
+        t0: float,
+        ex: Exchange,
     ) -> None:
-        """Relay a stream chunk by chunk, as it comes (from the upstream's callbacks)."""
+        """A streamed 200 answer's first bytes are in: answer the client and relay the rest
+        from the upstream's callbacks (this runs in one; no task switch before the client
+        gets its first token)."""
         self.router.first_token(rid)
-        bm.ttft.observe(time.perf_counter() - req.t0)
+        bm.ttft.observe(time.perf_counter() - t0)
+        self.pool.success(b)
         first = b"".join(ex.body)
-        tail = first[-_TAIL:]
-
-        def relay(data: bytes, end: bool) -> None:
-            nonlocal tail
-            down.write(data, end)
-            tail = (tail + data)[-_TAIL:]
-
-        ex.relay = relay
+        ex.relay = _Stream(down, first)
         down.flow = ex
-        down.start(200, headers, first)
+        down.start(200, _answer_headers(ex, b, info), first)
+
+    async def _end_stream(
+        self,
+        down: FrontConnection,
+        ex: Exchange,
+        stream: _Stream,
+        b: Backend,
+        bm: BackendMetrics,
+        t0: float,
+    ) -> None:
+        """Wait for a relayed stream's end; end the client's stream (with an error event when
+        the backend failed)."""
         await ex.done
         down.flow = None
         if ex.error is not None:
@@ -285,9 +298,9 @@ class Forwarder:
             down.write(b"data: " + _json(err) + b"\n\n")
             down.end()
             return
-        self._usage(bm, tail)
+        self._usage(bm, stream.tail)
         down.end()
-        bm.e2e.observe(time.perf_counter() - req.t0)
+        bm.e2e.observe(time.perf_counter() - t0)
 
     def _usage(self, bm: BackendMetrics, data: bytes) -> None:
         cached = _CACHED.findall(data)
@@ -322,6 +335,31 @@ class Forwarder:
                 "terms": terms,
             }
         )
+
+
+class _Stream:
+    """A streamed answer being relayed: each upstream read is written to the client as it
+    comes; the last ``_TAIL`` bytes are kept for the usage they may carry."""
+
+    __slots__ = ("down", "tail")
+
+    def __init__(self, down: FrontConnection, first: bytes) -> None:
+        self.down = down
+        self.tail = first[-_TAIL:]
+
+    def __call__(self, data: bytes, end: bool) -> None:
+        self.down.write(data, end)
+        self.tail = (self.tail + data)[-_TAIL:]
+
+
+def _answer_headers(ex: Exchange, b: Backend, info: RouteInfo) -> Headers:
+    """The backend's answer headers to relay, and the proxy's own."""
+    return [
+        *without(ex.headers, DROP),
+        ("X-Kvroute-Instance", str(b.index)),
+        ("X-Kvroute-Backend", b.url),
+        ("X-Kvroute-Hit-Tokens", str(info["hit_tokens"])),
+    ]
 
 
 def _json(obj: Any) -> bytes:

@@ -160,6 +160,13 @@ class _Length(BodyReader):
         return ([take] if take else []), data[len(take) :]
 
 
+class NoBody(_Length):
+    """The body of an answer to ``HEAD``: none."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
 class _UntilClose(BodyReader):
     def feed(self, data: bytes) -> tuple[list[bytes], bytes]:
         return ([data] if data else []), b""
@@ -195,21 +202,27 @@ class _Chunked(BodyReader):
                 if len(buf) - pos > MAX_CHUNK_LINE:
                     raise HttpError(400, "chunk-size line too long")
                 break
-            line = buf[pos:end]
-            pos = end + 2
             if self.crlf:
-                if line:
+                if end != pos:
                     raise HttpError(400, "chunk data longer than its size")
                 self.crlf = False
             elif self.trailers:
-                self.done = not line
+                self.done = end == pos
             else:
-                m = _CHUNK_SIZE.match(line)
+                m = _CHUNK_SIZE.match(buf, pos, end)
                 if m is None:
-                    raise HttpError(400, f"malformed chunk size {line[:40]!r}")
-                self.left = int(m[1], 16)
-                self.crlf = self.left > 0
-                self.trailers = self.left == 0
+                    raise HttpError(400, f"malformed chunk size {buf[pos:end][:40]!r}")
+                size = int(m[1], 16)
+                stop = end + 2 + size
+                if not size:
+                    self.trailers = True
+                elif buf[stop : stop + 2] == b"\r\n":  # the whole chunk is here
+                    out.append(buf[end + 2 : stop])
+                    pos = stop + 2
+                    continue
+                else:
+                    self.left, self.crlf = size, True
+            pos = end + 2
         self.buf = b"" if self.done else buf[pos:]
         return out, (buf[pos:] if self.done else b"")
 

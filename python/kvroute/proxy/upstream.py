@@ -10,8 +10,9 @@ arrives, from ``data_received``, with no task of its own:
 * body bytes into ``body`` until the forwarder sets ``relay``, then straight to
   ``relay(data, end)``, ``end`` true with the last bytes (the proxy's streaming path: one
   read and one write per upstream read);
-* ``ready`` resolves at the first body bytes of a streamed 200 answer, or else at the end;
-  ``done`` at the end. Failures (the connection lost mid-message, a malformed answer,
+* ``ready`` resolves at the first body bytes of a streamed 200 answer (after calling
+  ``on_first(exchange)``, which may set ``relay``), or else at the end; ``done`` at the
+  end. Failures (the connection lost mid-message, a malformed answer,
   ``read_timeout`` seconds without a byte) resolve both, with ``error`` set.
 
 An idle connection that the backend closes leaves the pool at once; one idle longer than
@@ -35,6 +36,7 @@ from kvroute.proxy.http1 import (
     BodyReader,
     Headers,
     HttpError,
+    NoBody,
     body_reader,
     parse_response_head,
 )
@@ -61,6 +63,7 @@ class Exchange:
         "done",
         "error",
         "headers",
+        "on_first",
         "ready",
         "received",
         "relay",
@@ -80,6 +83,7 @@ class Exchange:
         self.received = 0
         self.error: BaseException | None = None
         self.relay: Callable[[bytes, bool], None] | None = None
+        self.on_first: Callable[[Exchange], None] | None = None
         self.ready: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
 
@@ -102,9 +106,12 @@ class Exchange:
         if self.relay is not None:
             self.relay(data, end)
             return
-        if data:
-            self.body.append(data)
+        if not data:
+            return
+        self.body.append(data)
         if self.stream and self.status == 200 and not self.ready.done():
+            if self.on_first is not None:
+                self.on_first(self)
             self.ready.set_result(None)
 
     def _end(self, error: BaseException | None = None) -> None:
@@ -126,17 +133,20 @@ class UpstreamConnection(asyncio.Protocol):
         self._buf = b""
         self._reader: BodyReader | None = None
         self._keep = True
+        self._bodiless = False
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     # -- the forwarder's side
-    def send(self, data: bytes, stream: bool) -> Exchange:
-        """Write one request (head and body); its exchange."""
+    def send(self, data: bytes, stream: bool, bodiless: bool = False) -> Exchange:
+        """Write one request (head and body); its exchange. ``bodiless``: the answer has no
+        body whatever its headers say (a ``HEAD`` request)."""
         assert self.transport is not None and self.exchange is None
         loop = self.pool.loop
         ex = self.exchange = Exchange(self, stream)
         self.uses += 1
         self._buf, self._reader, self._keep = b"", None, True
+        self._bodiless = bodiless
         self._last = loop.time()
         self._timer = loop.call_at(self._last + self.pool.read_timeout, self._watch)
         self.transport.write(data)
@@ -198,7 +208,7 @@ class UpstreamConnection(asyncio.Protocol):
                 break
         self._buf = b""
         ex.status, ex.headers = head.status, head.headers
-        self._reader = body_reader(head)
+        self._reader = NoBody() if self._bodiless else body_reader(head)
         self._keep = head.keep_alive
         return buf
 
