@@ -37,9 +37,12 @@ PROMPT_TOKENS = 512
 MAX_TOKENS = 16
 
 
-def spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
-    """``kvroute ARGS --port 0`` in a subprocess; the process and the URL it listens on."""
+def spawn(*args: str, source: str | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``kvroute ARGS --port 0`` in a subprocess (from the Python tree ``source`` when
+    given); the process and the URL it listens on."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if source is not None:
+        env["PYTHONPATH"] = source
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvroute", *args, "--port", "0"],
         stderr=subprocess.PIPE,
@@ -165,27 +168,37 @@ async def phase(
 
 
 def compare(
-    seconds: float = 8.0, warmup: float = 1.0, rounds: int = 2, rates: tuple[float, ...] = RATES
+    seconds: float = 8.0,
+    warmup: float = 1.0,
+    rounds: int = 2,
+    rates: tuple[float, ...] = RATES,
+    baseline: str | None = None,
 ) -> list[dict[str, Any]]:
     """Direct and proxied phases, alternating, at each concurrency (closed loop) and each
-    rate (open loop); one row per load."""
+    rate (open loop); one row per load. ``baseline``: the Python tree of another kvroute
+    whose proxy runs beside this one, in its own phases (``baseline_*`` columns)."""
     from kvroute.proxy.serving import new_event_loop
 
     engine, engine_url = spawn("engine", "--preset", "fast")
-    proxy, proxy_url = spawn("proxy", "--backend", engine_url, "--policy", "unified")
+    proxies = {"proxy": spawn("proxy", "--backend", engine_url, "--policy", "unified")}
+    if baseline is not None:
+        proxies["baseline"] = spawn(
+            "proxy", "--backend", engine_url, "--policy", "unified", source=baseline
+        )
     loads = [{"streams": c} for c in CONCURRENCY] + [{"rate": r} for r in rates]
     rows = []
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             for load in loads:
-                got: dict[str, list[dict[str, Any]]] = {"direct": [], "proxy": []}
-                cpu = 0.0
+                got: dict[str, list[dict[str, Any]]] = {m: [] for m in ("direct", *proxies)}
+                cpu = dict.fromkeys(proxies, 0.0)
                 for _ in range(rounds):
                     per = seconds / rounds
                     got["direct"].append(runner.run(phase(engine_url, per, warmup, **load)))
-                    before = cpu_seconds(proxy.pid)
-                    got["proxy"].append(runner.run(phase(proxy_url, per, warmup, **load)))
-                    cpu += cpu_seconds(proxy.pid) - before
+                    for mode, (proc, url) in proxies.items():
+                        before = cpu_seconds(proc.pid)
+                        got[mode].append(runner.run(phase(url, per, warmup, **load)))
+                        cpu[mode] += cpu_seconds(proc.pid) - before
                 row: dict[str, Any] = {
                     "load": f"{load['streams']} streams"
                     if "streams" in load
@@ -198,13 +211,16 @@ def compare(
                     row[f"{mode}_requests"] = sum(p["requests"] for p in phases)
                     for key in ("p50_ms", "p99_ms", "ttft_p50_ms"):
                         row[f"{mode}_{key}"] = float(np.median([p[key] for p in phases]))
-                row["added_p50_ms"] = row["proxy_p50_ms"] - row["direct_p50_ms"]
-                row["added_p99_ms"] = row["proxy_p99_ms"] - row["direct_p99_ms"]
-                served = sum(p["all_requests"] for p in got["proxy"])
-                row["proxy_cpu_us_per_request"] = cpu / max(served, 1) * 1e6
+                for mode in proxies:
+                    pre = "" if mode == "proxy" else f"{mode}_"
+                    for q in ("p50", "p99"):
+                        added = row[f"{mode}_{q}_ms"] - row[f"direct_{q}_ms"]
+                        row[f"{pre}added_{q}_ms"] = added
+                    served = sum(p["all_requests"] for p in got[mode])
+                    row[f"{mode}_cpu_us_per_request"] = cpu[mode] / max(served, 1) * 1e6
                 rows.append(row)
     finally:
-        for proc in (proxy, engine):
+        for proc in (*(p for p, _ in proxies.values()), engine):
             proc.terminate()
             proc.wait(10)
             if proc.stderr is not None:
@@ -212,19 +228,20 @@ def compare(
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """The results as a Markdown table."""
+def table(rows: list[dict[str, Any]], mode: str = "proxy") -> str:
+    """The results of ``mode`` (``proxy`` or ``baseline``) as a Markdown table."""
+    pre = "" if mode == "proxy" else f"{mode}_"
     head = (
         "| load | direct req/s | proxy req/s | direct p50 / p99 (ms) | proxy p50 / p99 (ms) "
         "| added p50 / p99 (ms) | proxy CPU / req (µs) | errors |\n"
         "|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = [
-        f"| {r['load']} | {r['direct_rps']:.0f} | {r['proxy_rps']:.0f} "
+        f"| {r['load']} | {r['direct_rps']:.0f} | {r[f'{mode}_rps']:.0f} "
         f"| {r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} "
-        f"| {r['proxy_p50_ms']:.2f} / {r['proxy_p99_ms']:.2f} "
-        f"| {r['added_p50_ms']:+.2f} / {r['added_p99_ms']:+.2f} "
-        f"| {r['proxy_cpu_us_per_request']:.0f} | {r['direct_errors'] + r['proxy_errors']} |"
+        f"| {r[f'{mode}_p50_ms']:.2f} / {r[f'{mode}_p99_ms']:.2f} "
+        f"| {r[f'{pre}added_p50_ms']:+.2f} / {r[f'{pre}added_p99_ms']:+.2f} "
+        f"| {r[f'{mode}_cpu_us_per_request']:.0f} | {r['direct_errors'] + r[f'{mode}_errors']} |"
         for r in rows
     ]
     return head + "\n".join(lines)
@@ -300,6 +317,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per mode")
     parser.add_argument("--allow-debug", action="store_true", help="measure a debug build too")
+    parser.add_argument(
+        "--baseline",
+        help="the python/ directory of another kvroute checkout: its proxy is measured in the "
+        "same run, in phases of its own",
+    )
     args = parser.parse_args()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -315,7 +337,10 @@ def main() -> None:
         f"CPU per request, one loop: direct {cpu['direct']:.0f} µs, bare aiohttp relay "
         f"+{relay:.0f} µs, kvroute proxy +{ours:.0f} µs\n"
     )
-    print(table(compare(seconds=args.seconds)))
+    rows = compare(seconds=args.seconds, baseline=args.baseline)
+    print(table(rows))
+    if args.baseline:
+        print(f"\nbaseline ({args.baseline}):\n\n" + table(rows, "baseline"))
 
 
 if __name__ == "__main__":
