@@ -204,7 +204,7 @@ class UpstreamConnection(asyncio.Protocol):
                 return b""
             head = parse_response_head(buf[:end])
             buf = buf[end + 4 :]
-            if head.status >= 200 or head.status == 101:
+            if head.status >= 200:  # interim 1xx answers are skipped
                 break
         self._buf = b""
         ex.status, ex.headers = head.status, head.headers
