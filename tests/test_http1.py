@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -174,3 +175,115 @@ def test_what_the_proxy_writes() -> None:
         [("Connection", "close"), ("X-A", "1"), ("host", "h")], frozenset({"connection", "host"})
     )
     assert kept == [("X-A", "1")]
+
+
+# -- the front server and an upstream connection, fed bytes split anywhere ------------------
+
+
+class FakeTransport:
+    """Collects what a protocol writes; reading can be paused and the transport closed."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    abort = close
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+def responses(data: bytes) -> list[tuple[int, bytes]]:
+    """The status and body of each response in ``data``."""
+    out = []
+    while data:
+        raw, data = data.split(b"\r\n\r\n", 1)
+        head = parse_response_head(raw)
+        body, data = body_reader(head).feed(data)
+        out.append((head.status, b"".join(body)))
+    return out
+
+
+@given(
+    st.lists(st.binary(max_size=300), min_size=1, max_size=5),
+    st.lists(st.booleans(), min_size=5, max_size=5),
+    st.lists(st.integers(min_value=0, max_value=5000), max_size=15),
+)
+def test_front_reads_pipelined_requests_split_anywhere(
+    bodies: list[bytes], chunked: list[bool], cuts: list[int]
+) -> None:
+    from kvroute.proxy.front import FrontConnection, FrontServer, Request
+
+    async def echo(req: Request, down: FrontConnection) -> None:
+        await asyncio.sleep(0)
+        down.send(200, [("X-Path", req.head.path)], req.body)
+
+    async def run() -> bytes:
+        server = FrontServer(echo, max_body=1 << 20)
+        conn = FrontConnection(server)
+        transport = FakeTransport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        wire = b""
+        for i, body in enumerate(bodies):
+            if chunked[i]:
+                framed = b"".join(chunk(body[j : j + 7]) for j in range(0, len(body), 7))
+                wire += b"POST /e%d HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" % i
+                wire += framed + LAST_CHUNK
+            else:
+                wire += b"POST /e%d HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (i, len(body))
+                wire += body
+        for piece in split(wire, cuts):
+            conn.data_received(piece)
+            await asyncio.sleep(0)
+        for _ in range(4 * len(bodies) + 4):
+            await asyncio.sleep(0)
+        assert not transport.closing
+        return bytes(transport.out)
+
+    got = responses(asyncio.run(run()))
+    assert got == [(200, b) for b in bodies]
+
+
+@given(
+    st.lists(st.binary(min_size=1, max_size=50), max_size=6),
+    st.booleans(),
+    st.lists(st.integers(min_value=0, max_value=2000), max_size=10),
+)
+def test_upstream_reads_answers_split_anywhere(
+    pieces: list[bytes], chunked: bool, cuts: list[int]
+) -> None:
+    from kvroute.proxy.upstream import UpstreamConnection, UpstreamPool
+
+    async def run() -> tuple[bytes, bool]:
+        pool = UpstreamPool(connect_timeout=1.0, read_timeout=10.0)
+        conn = UpstreamConnection(pool, ("http", "h", 80))
+        conn.connection_made(FakeTransport())  # type: ignore[arg-type]
+        ex = conn.send(b"GET / HTTP/1.1\r\n\r\n", stream=True)
+        body = b"".join(pieces)
+        if chunked:
+            wire = b"HTTP/1.1 100 Continue\r\n\r\n"  # an interim answer first
+            wire += b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            wire += b"".join(chunk(p) for p in pieces) + LAST_CHUNK
+        else:
+            wire = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        got: list[bytes] = []
+        for i, part in enumerate(split(wire, cuts)):
+            conn.data_received(part)
+            if i == 0:
+                ex.relay = lambda data, end: got.append(data)
+        await ex.done
+        assert ex.error is None and ex.status == 200
+        return b"".join(ex.body) + b"".join(got), conn.exchange is None
+
+    body, released = asyncio.run(run())
+    assert body == b"".join(pieces) and released
