@@ -106,6 +106,9 @@ def test_numpy_dtypes_agree_with_lists(dtype: type) -> None:
     assert kvroute.block_hashes(arr, 4).tolist() == expected
     assert kvroute.block_hashes(tokens, 4).tolist() == expected
     assert kvroute.block_hashes(tuple(tokens), 4).tolist() == expected
+    # Lists of exact ints take a fast path; a list subclass and numpy scalars the general one.
+    assert kvroute.block_hashes(type("Ids", (list,), {})(tokens), 4).tolist() == expected
+    assert kvroute.block_hashes([*tokens[:-1], dtype(tokens[-1])], 4).tolist() == expected
     # Non-contiguous and reversed views.
     wide = np.zeros(2 * len(tokens), dtype=dtype)
     wide[::2] = arr

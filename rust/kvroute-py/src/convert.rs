@@ -8,7 +8,7 @@
 use kvroute_core::Id;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString};
 
 use crate::errors::{invalid, wrong_type};
 
@@ -157,6 +157,8 @@ pub enum Tokens<'py> {
     I32(PyReadonlyArray1<'py, i32>),
     I64(PyReadonlyArray1<'py, i64>),
     U64(PyReadonlyArray1<'py, u64>),
+    /// A list of ints that all fit, read with the list fast path.
+    OwnedU32(Vec<u32>),
     Owned(Vec<i128>),
 }
 
@@ -181,6 +183,9 @@ pub fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Tokens<'py>>
             format!("{name} must have dtype int32, uint32, int64 or uint64, got {}", arr.dtype()),
         ));
     }
+    if let Some(ids) = list_of_u32(obj) {
+        return Ok(Tokens::OwnedU32(ids));
+    }
     let token_item = |item: &Bound<'_, PyAny>| {
         is_integer(item)
             .then(|| {
@@ -189,6 +194,21 @@ pub fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Tokens<'py>>
             .flatten()
     };
     collect_items(obj, name, token_item, "an int").map(Tokens::Owned)
+}
+
+/// The ids of an exact `list` of exact `int`s in `0..2**32` (the common case: a prompt
+/// from a JSON body), read without the generic sequence protocol; None for anything else,
+/// which the generic path then reads (and reports on).
+fn list_of_u32(obj: &Bound<'_, PyAny>) -> Option<Vec<u32>> {
+    let list = obj.cast_exact::<PyList>().ok()?;
+    let mut out = Vec::with_capacity(list.len());
+    for item in list.iter() {
+        if !item.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        out.push(u32::try_from(item.extract::<i64>().ok()?).ok()?);
+    }
+    Some(out)
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {

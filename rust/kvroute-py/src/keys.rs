@@ -33,6 +33,7 @@ pub fn block_hashes<'py>(
         },
         Tokens::I64(a) => hash_array(a, bs),
         Tokens::U64(a) => hash_array(a, bs),
+        Tokens::OwnedU32(v) => Ok(keys::block_hashes_u32(v, bs)),
         Tokens::Owned(v) => keys::block_hashes(v, bs),
     };
     let keys = result.map_err(|TokenOutOfRange { position, value }| {
