@@ -33,6 +33,7 @@ MAX_HEAD = 64 << 10
 #: The longest chunk-size line (size, extensions) accepted.
 MAX_CHUNK_LINE = 4096
 LAST_CHUNK = b"0\r\n\r\n"
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _REQUEST_LINE = re.compile(r"([A-Z]+) (\S+) HTTP/(\d)\.(\d)")
@@ -254,10 +255,6 @@ def chunk(data: bytes) -> bytes:
 
 def response_head(status: int, headers: Headers) -> bytes:
     """A status line and headers, with the blank line."""
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = "Unknown"
-    lines = [f"HTTP/1.1 {status} {reason}"]
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
     lines.extend(f"{k}: {v}" for k, v in headers)
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
