@@ -11,8 +11,9 @@ The handler answers through the connection:
 * :meth:`~FrontConnection.start`, :meth:`~FrontConnection.write`, :meth:`~FrontConnection.end`:
   a streamed answer, chunked for HTTP/1.1 clients (to the end of the connection for
   HTTP/1.0); ``write`` is a plain call, so a relay can write from another protocol's
-  ``data_received``. When the client's socket buffer fills, the connection pauses reading
-  of its ``flow`` (the upstream connection being relayed) until it drains.
+  ``data_received``. While the client's socket buffer is full, the connection keeps the
+  ``flow`` it follows (:meth:`~FrontConnection.follow`: the upstream answer being relayed)
+  paused.
 
 A client that disconnects cancels its request's task at once. Connections idle for
 ``idle_timeout`` seconds are closed. :meth:`FrontServer.close` stops listening, lets running
@@ -142,10 +143,12 @@ class FrontConnection(asyncio.Protocol):
         """The end of a streamed answer (when ``write`` has not ended it)."""
         self.write(b"", True)
 
-    @property
-    def begun(self) -> bool:
-        """Whether any byte of the answer was written."""
-        return self._state > 0
+    def follow(self, flow: Pausable | None) -> None:
+        """Pause ``flow`` whenever the client's buffer is full (at once if it is now);
+        None: stop following."""
+        self.flow = flow
+        if flow is not None and self._writing_paused:
+            flow.pause()
 
     def _write(self, data: bytes) -> None:
         if not self.closed and self.transport is not None:

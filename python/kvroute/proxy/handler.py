@@ -273,7 +273,7 @@ class Forwarder:
         self.pool.success(b)
         first = b"".join(ex.body)
         ex.relay = _Stream(down, first)
-        down.flow = ex
+        down.follow(ex)
         down.start(200, _answer_headers(ex, b, info), first)
 
     async def _end_stream(
@@ -288,7 +288,7 @@ class Forwarder:
         """Wait for a relayed stream's end; end the client's stream (with an error event when
         the backend failed)."""
         await ex.done
-        down.flow = None
+        down.follow(None)
         if ex.error is not None:
             timeout = isinstance(ex.error, TimeoutError)
             bm.error("timeout" if timeout else "midstream")
