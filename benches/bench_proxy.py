@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -65,31 +66,77 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class AiohttpClient:
+    """Streaming requests with aiohttp's client (the default harness)."""
+
+    def __init__(self) -> None:
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def stream(self, url: str, data: bytes, session: str) -> tuple[bool, float | None]:
+        """POST ``data``; whether the stream ended well, and when its first chunk came."""
+        first, tail = None, b""
+        headers = {"Content-Type": "application/json", "X-Session-Id": session}
+        try:
+            async with self.http.post(url + "/v1/completions", data=data, headers=headers) as r:
+                async for chunk in r.content.iter_any():
+                    if first is None:
+                        first = time.perf_counter()
+                    tail = chunk
+                return r.status == 200 and tail.endswith(b"data: [DONE]\n\n"), first
+        except aiohttp.ClientError:
+            return False, first
+
+    async def close(self) -> None:
+        await self.http.close()
+
+
+class RawClient:
+    """Streaming requests with kvroute's own keep-alive HTTP/1.1 client (``proxy/upstream``):
+    a lighter harness, so that less of the machine goes to the clients."""
+
+    def __init__(self) -> None:
+        from kvroute.proxy.upstream import UpstreamPool
+
+        self.pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0)
+
+    async def stream(self, url: str, data: bytes, session: str) -> tuple[bool, float | None]:
+        from kvroute.proxy.handler import upstream_request
+        from kvroute.proxy.upstream import address_of
+
+        (address, prefix), host = address_of(url), url.split("://", 1)[1]
+        headers = [("Content-Type", "application/json"), ("X-Session-Id", session)]
+        req = upstream_request("POST", prefix + "/v1/completions", host, headers, data)
+        first = None
+
+        def started(_ex: Any) -> None:
+            nonlocal first
+            first = time.perf_counter()
+
+        try:
+            ex = (await self.pool.acquire(address)).send(req, stream=True)
+        except OSError:
+            return False, None
+        ex.on_first = started
+        await ex.done
+        tail = ex.body[-1] if ex.body else b""
+        return ex.error is None and ex.status == 200 and tail.endswith(b"data: [DONE]\n\n"), first
+
+    async def close(self) -> None:
+        self.pool.close()
+
+
+Client = AiohttpClient | RawClient
+CLIENTS = {"aiohttp": AiohttpClient, "raw": RawClient}
+
+
 async def _one(
-    http: aiohttp.ClientSession,
-    url: str,
-    cid: int,
-    n: int,
-    base: list[int],
-    out: dict[str, list[float]],
+    client: Client, url: str, cid: int, n: int, base: list[int], out: dict[str, list[float]]
 ) -> None:
     """One streaming request; its latency and TTFT (or an error) into ``out``."""
     prompt = base[: PROMPT_TOKENS - 64] + [256 + (n % 1000)] * 64
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    first = None
-    tail = b""
-    try:
-        async with http.post(
-            url + "/v1/completions", json=body, headers={"X-Session-Id": str(cid)}
-        ) as resp:
-            async for chunk in resp.content.iter_any():
-                if first is None:
-                    first = time.perf_counter()
-                tail = chunk
-            ok = resp.status == 200 and tail.endswith(b"data: [DONE]\n\n")
-    except aiohttp.ClientError:
-        ok = False
+    ok, first = await client.stream(url, json.dumps(body).encode(), str(cid))
     t1 = time.perf_counter()
     if ok and first is not None:
         out["latency"].append(t1 - t0)
@@ -104,7 +151,7 @@ def _prompt_base(cid: int) -> list[int]:
 
 
 async def _closed(
-    http: aiohttp.ClientSession, url: str, streams: int, until: float, out: dict[str, list[float]]
+    http: Client, url: str, streams: int, until: float, out: dict[str, list[float]]
 ) -> None:
     async def client(cid: int) -> None:
         base, n = _prompt_base(cid), 0
@@ -116,7 +163,7 @@ async def _closed(
 
 
 async def _open(
-    http: aiohttp.ClientSession, url: str, rate: float, until: float, out: dict[str, list[float]]
+    http: Client, url: str, rate: float, until: float, out: dict[str, list[float]]
 ) -> None:
     """Requests at ``rate`` per second, evenly spaced, whatever the answers take."""
     bases = [_prompt_base(c) for c in range(64)]
@@ -134,12 +181,17 @@ async def _open(
 
 
 async def phase(
-    url: str, seconds: float, warmup: float, streams: int = 0, rate: float = 0.0
+    url: str,
+    seconds: float,
+    warmup: float,
+    streams: int = 0,
+    rate: float = 0.0,
+    client: str = "aiohttp",
 ) -> dict[str, Any]:
     """Closed-loop ``streams`` or open-loop ``rate`` for ``warmup + seconds``; the stats of
     the measured part."""
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
+    http = CLIENTS[client]()
+    try:
 
         async def run(until: float, into: dict[str, list[float]]) -> None:
             if streams:
@@ -154,6 +206,8 @@ async def phase(
         t0 = time.perf_counter()
         await run(t0 + seconds, out)
         elapsed = max(max(out["done"], default=t0), t0 + seconds) - t0
+    finally:
+        await http.close()
     lat = np.array(out["latency"]) * 1e3
     ttft = np.array(out["ttft"]) * 1e3
     return {
@@ -172,11 +226,14 @@ def compare(
     warmup: float = 1.0,
     rounds: int = 2,
     rates: tuple[float, ...] = RATES,
+    concurrency: tuple[int, ...] = CONCURRENCY,
     baseline: str | None = None,
+    client: str = "aiohttp",
 ) -> list[dict[str, Any]]:
     """Direct and proxied phases, alternating, at each concurrency (closed loop) and each
     rate (open loop); one row per load. ``baseline``: the Python tree of another kvroute
-    whose proxy runs beside this one, in its own phases (``baseline_*`` columns)."""
+    whose proxy runs beside this one, in its own phases (``baseline_*`` columns).
+    ``client``: the harness's HTTP client (``aiohttp`` or ``raw``)."""
     from kvroute.proxy.serving import new_event_loop
 
     engine, engine_url = spawn("engine", "--preset", "fast")
@@ -185,7 +242,7 @@ def compare(
         proxies["baseline"] = spawn(
             "proxy", "--backend", engine_url, "--policy", "unified", source=baseline
         )
-    loads = [{"streams": c} for c in CONCURRENCY] + [{"rate": r} for r in rates]
+    loads = [{"streams": c} for c in concurrency] + [{"rate": r} for r in rates]
     rows = []
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
@@ -194,10 +251,12 @@ def compare(
                 cpu = dict.fromkeys(proxies, 0.0)
                 for _ in range(rounds):
                     per = seconds / rounds
-                    got["direct"].append(runner.run(phase(engine_url, per, warmup, **load)))
+                    got["direct"].append(
+                        runner.run(phase(engine_url, per, warmup, client=client, **load))
+                    )
                     for mode, (proc, url) in proxies.items():
                         before = cpu_seconds(proc.pid)
-                        got[mode].append(runner.run(phase(url, per, warmup, **load)))
+                        got[mode].append(runner.run(phase(url, per, warmup, client=client, **load)))
                         cpu[mode] += cpu_seconds(proc.pid) - before
                 row: dict[str, Any] = {
                     "load": f"{load['streams']} streams"
@@ -318,6 +377,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per mode")
     parser.add_argument("--allow-debug", action="store_true", help="measure a debug build too")
     parser.add_argument(
+        "--client",
+        choices=sorted(CLIENTS),
+        default="aiohttp",
+        help="the clients' HTTP library: aiohttp, or kvroute's own lighter client (raw)",
+    )
+    parser.add_argument(
         "--baseline",
         help="the python/ directory of another kvroute checkout: its proxy is measured in the "
         "same run, in phases of its own",
@@ -337,7 +402,7 @@ def main() -> None:
         f"CPU per request, one loop: direct {cpu['direct']:.0f} µs, bare aiohttp relay "
         f"+{relay:.0f} µs, kvroute proxy +{ours:.0f} µs\n"
     )
-    rows = compare(seconds=args.seconds, baseline=args.baseline)
+    rows = compare(seconds=args.seconds, baseline=args.baseline, client=args.client)
     print(table(rows))
     if args.baseline:
         print(f"\nbaseline ({args.baseline}):\n\n" + table(rows, "baseline"))
