@@ -4,6 +4,7 @@ HTTP/1.0 clients, slow readers, and backends that close kept-alive connections."
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
 import time
@@ -57,9 +58,14 @@ async def _ok(_request: web.Request) -> web.Response:
     return web.Response()
 
 
-@pytest.fixture(scope="module")
-def proxied() -> Iterator[tuple[str, Backend, Proxy]]:
-    with ServerThread() as st:
+LOOPS = ["asyncio", *(["uvloop"] if importlib.util.find_spec("uvloop") else [])]
+
+
+@pytest.fixture(scope="module", params=LOOPS)
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[str, Backend, Proxy]]:
+    """A proxy in front of a :class:`Backend`, on asyncio's event loop and on uvloop's (the
+    command line's), whose transports differ."""
+    with ServerThread(use_uvloop=request.param == "uvloop") as st:
         backend = Backend()
         proxy = Proxy(ProxyConfig(backends=[st.start(backend.app())], max_body_bytes=100_000))
         yield st.start(proxy), backend, proxy
