@@ -291,3 +291,17 @@ def test_head_requests_to_the_side_endpoints(proxied: tuple[str, Backend, Proxy]
         assert head.status == 200 and int(head.get("content-length") or 0) > 0
         head, body = r.response()
         assert head.status == 200 and json.loads(body)["backends_up"] == 1
+
+
+@pytest.mark.parametrize("command", [["proxy", "--backend", "http://127.0.0.1:9"], ["engine"]])
+def test_a_port_in_use_is_a_clear_error(command: list[str]) -> None:
+    from click.testing import CliRunner
+
+    from kvroute.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(main, [*command, "--port", str(port)])
+    assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output

@@ -94,7 +94,7 @@ def _ready(what: str) -> Any:
 @click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
 def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
-    from kvroute.proxy import Proxy, ProxyConfig, serve_forever
+    from kvroute.proxy import Proxy, ProxyConfig
 
     options = {"block_size": kw["block_size"], **_pairs(kw["router_opts"], "--router-option")}
     try:
@@ -119,9 +119,21 @@ def proxy(**kw: Any) -> None:
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
-    serve_forever(
-        app, kw["host"], kw["port"], use_uvloop=not kw["no_uvloop"], on_ready=_ready("proxy")
-    )
+    _serve(app, kw, "proxy")
+
+
+def _serve(app: Any, kw: dict[str, Any], what: str) -> None:
+    """Serve until SIGINT/SIGTERM; a port that cannot be bound is a clear error."""
+    from kvroute.proxy.serving import serve_forever
+
+    try:
+        serve_forever(
+            app, kw["host"], kw["port"], use_uvloop=not kw["no_uvloop"], on_ready=_ready(what)
+        )
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {kw['host']}:{kw['port']}: {exc.strerror or exc}"
+        ) from exc
 
 
 @click.command("engine")
@@ -169,7 +181,6 @@ def engine(**kw: Any) -> None:
     """Serve an OpenAI-compatible emulator of one vLLM engine (no GPU)."""
     from kvroute.emulator import EmulatorConfig, FaultConfig, emulator_app
     from kvroute.emulator.server import DEFAULT_MODEL
-    from kvroute.proxy.serving import serve_forever
 
     try:
         faults = FaultConfig(
@@ -193,9 +204,7 @@ def engine(**kw: Any) -> None:
         app = emulator_app(config)
     except (ValueError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
-    serve_forever(
-        app, kw["host"], kw["port"], use_uvloop=not kw["no_uvloop"], on_ready=_ready("engine")
-    )
+    _serve(app, kw, "engine")
 
 
 @click.command("replay")
