@@ -287,3 +287,27 @@ def test_upstream_reads_answers_split_anywhere(
 
     body, released = asyncio.run(run())
     assert body == b"".join(pieces) and released
+
+
+def test_idle_upstream_connections_are_closed() -> None:
+    from kvroute.proxy.upstream import UpstreamConnection, UpstreamPool
+
+    async def run() -> tuple[bool, bool, int]:
+        pool = UpstreamPool(connect_timeout=1.0, read_timeout=10.0, idle_timeout=0.2)
+        transports = []
+        for _ in range(2):
+            conn = UpstreamConnection(pool, ("http", "h", 80))
+            transports.append(FakeTransport())
+            conn.connection_made(transports[-1])  # type: ignore[arg-type]
+            conn.send(b"GET / HTTP/1.1\r\n\r\n", stream=False)
+            conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")  # back to idle
+            await asyncio.sleep(0.15)
+        first_closed, second_open = transports[0].closing, not transports[1].closing
+        await asyncio.sleep(0.4)
+        return (
+            first_closed,
+            second_open and transports[1].closing,
+            len(pool._idle[("http", "h", 80)]),
+        )
+
+    assert asyncio.run(run()) == (True, True, 0)

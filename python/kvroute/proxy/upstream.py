@@ -15,9 +15,10 @@ arrives, from ``data_received``, with no task of its own:
   end. Failures (the connection lost mid-message, a malformed answer,
   ``read_timeout`` seconds without a byte) resolve both, with ``error`` set.
 
-An idle connection that the backend closes leaves the pool at once; one idle longer than
-``idle_timeout`` is closed when next met. Backpressure: :meth:`UpstreamConnection.pause` and
-:meth:`~UpstreamConnection.resume` stop and restart reading.
+An idle connection that the backend closes leaves the pool at once; one idle for
+``idle_timeout`` seconds is closed (by a sweep, or when next met). Backpressure:
+:meth:`UpstreamConnection.pause` and :meth:`~UpstreamConnection.resume` stop and restart
+reading.
 
 O(bytes) per response; loop-affine (one event loop owns a pool and its connections).
 """
@@ -278,6 +279,7 @@ class UpstreamPool:
         self._ssl = ssl_context
         self._idle: dict[Address, list[UpstreamConnection]] = {}
         self._all: set[UpstreamConnection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def acquire(self, address: Address, fresh: bool = False) -> UpstreamConnection:
         """A connection to ``address``: an idle one (unless ``fresh``), else a new one."""
@@ -307,6 +309,23 @@ class UpstreamPool:
     def _release(self, conn: UpstreamConnection) -> None:
         conn.idle_since = self.loop.time()
         self._idle.setdefault(conn.address, []).append(conn)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self.idle_timeout, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections idle for ``idle_timeout`` (each list is oldest first)."""
+        self._sweeper = None
+        now = self.loop.time()
+        for idle in self._idle.values():
+            stale = 0
+            while stale < len(idle) and now - idle[stale].idle_since >= self.idle_timeout:
+                stale += 1
+            for conn in idle[:stale]:
+                if conn.transport is not None:
+                    conn.transport.close()
+            del idle[:stale]
+        if any(self._idle.values()):
+            self._sweeper = self.loop.call_later(self.idle_timeout / 2, self._sweep)
 
     def _forget(self, conn: UpstreamConnection) -> None:
         self._all.discard(conn)
@@ -316,6 +335,9 @@ class UpstreamPool:
 
     def close(self) -> None:
         """Close every connection (in-flight exchanges fail)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conn in list(self._all):
             if conn.transport is not None:
                 conn.transport.abort()
