@@ -48,11 +48,11 @@ from kvroute.proxy.prompts import error_body
 try:
     import orjson
 
-    _dumps: Callable[[Any], bytes] = orjson.dumps
+    dumps_json: Callable[[Any], bytes] = orjson.dumps
 except ImportError:  # pragma: no cover - orjson is optional
     import json
 
-    def _dumps(obj: Any) -> bytes:
+    def dumps_json(obj: Any) -> bytes:
         return json.dumps(obj).encode()
 
 
@@ -115,7 +115,7 @@ class FrontConnection(asyncio.Protocol):
 
     def send_json(self, status: int, obj: Any, headers: Headers | None = None) -> None:
         """A whole JSON answer."""
-        self.send(status, [("content-type", "application/json"), *(headers or [])], _dumps(obj))
+        self.send(status, [("content-type", "application/json"), *(headers or [])], dumps_json(obj))
 
     def start(self, status: int, headers: Headers, first: bytes = b"") -> None:
         """Begin a streamed answer, with its first body bytes."""

@@ -38,7 +38,7 @@ import kvroute
 from kvroute.errors import NoInstanceAvailableError
 from kvroute.proxy.backends import Backend, BackendPool
 from kvroute.proxy.config import ProxyConfig
-from kvroute.proxy.front import FrontConnection, Request
+from kvroute.proxy.front import FrontConnection, Request, dumps_json
 from kvroute.proxy.http1 import Headers, without
 from kvroute.proxy.keys import Keyer, Keys, session_of
 from kvroute.proxy.observe import BackendMetrics, DecisionLog, ProxyMetrics
@@ -295,7 +295,7 @@ class Forwarder:
             self.pool.failure(b)
             what = "timed out" if timeout else f"failed: {ex.error!r}"
             err = error_body(f"backend {b.index} {what} mid-stream", "bad_gateway", 502)
-            down.write(b"data: " + _json(err) + b"\n\n")
+            down.write(b"data: " + dumps_json(err) + b"\n\n")
             down.end()
             return
         self._usage(bm, stream.tail)
@@ -360,9 +360,3 @@ def _answer_headers(ex: Exchange, b: Backend, info: RouteInfo) -> Headers:
         ("X-Kvroute-Backend", b.url),
         ("X-Kvroute-Hit-Tokens", str(info["hit_tokens"])),
     ]
-
-
-def _json(obj: Any) -> bytes:
-    import json
-
-    return json.dumps(obj).encode()
