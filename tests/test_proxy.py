@@ -13,8 +13,11 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvroute
+from kvroute._core import prompt_ids
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.proxy.keys import Keyer, approx_keys
@@ -337,3 +340,72 @@ def test_sessions_from_the_body_and_backend_tokenizer(tmp_path: Path) -> None:
 def test_keys_are_numpy_friendly() -> None:
     keys, n = approx_keys("é" * 10, 4)
     assert keys.dtype == np.uint64 and n == 5
+
+
+# -- the prompt scan ------------------------------------------------------------------------
+
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text()
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(), inner)),
+    max_leaves=12,
+)
+PROMPTS = st.one_of(
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40),
+    st.lists(st.integers(-3, 2**32 + 3), max_size=5),
+    JSON_VALUES,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    extra=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=5),
+    prompt=PROMPTS,
+    first=st.booleans(),
+    indent=st.sampled_from([None, 0, 2]),
+    ascii_only=st.booleans(),
+)
+def test_prompt_scan_agrees_with_the_parser(
+    extra: dict[str, Any], prompt: Any, first: bool, indent: int | None, ascii_only: bool
+) -> None:
+    """The scan of a completions body finds exactly the prompt the JSON parser finds, or
+    leaves the body to it; keying a body either way gives the same keys, body and errors."""
+    body = {"prompt": prompt, **extra} if first else {**extra, "prompt": prompt}
+    raw = json.dumps(body, indent=indent, ensure_ascii=ascii_only).encode()
+    found = prompt_ids(raw)
+    if found is not None:
+        ids, start, end = found
+        assert ids.tolist() == body["prompt"] == json.loads(raw[start:end])
+    keyer = Keyer("approx", 4)
+
+    def keyed(full: bool) -> Any:
+        async def go() -> Any:
+            if full:
+                parsed = parse_body(raw)
+                return parsed, *(await keyer.keys(parsed, False))
+            return await keyer.parse(raw, False)
+
+        try:
+            parsed, keys, n = asyncio.run(go())
+        except BadRequest as exc:
+            return str(exc), exc.param
+        return {k: v for k, v in parsed.items() if k != "prompt"}, keys.tolist(), n
+
+    assert keyed(full=False) == keyed(full=True)
+
+
+def test_prompt_scan_on_real_shapes() -> None:
+    ids = list(range(1000, 1512))
+    for raw in (
+        json.dumps({"model": "m", "prompt": ids, "stream": True}).encode(),
+        json.dumps({"prompt": ids}, separators=(",", ":")).encode(),
+        b'{"stream": true,\n  "prompt": [\n    '
+        + b",\n    ".join(b"%d" % i for i in ids)
+        + b"\n  ]\n}",
+    ):
+        found = prompt_ids(raw)
+        assert found is not None and found[0].tolist() == ids
+    assert prompt_ids(b'{"prompt": "text"}') is None
+    assert prompt_ids(b'{"prompt": [1], "prompt": [2]}') is None  # the parser's call

@@ -42,7 +42,7 @@ from kvroute.proxy.front import FrontConnection, Request, dumps_json
 from kvroute.proxy.http1 import Headers, without
 from kvroute.proxy.keys import Keyer, Keys, session_of
 from kvroute.proxy.observe import BackendMetrics, DecisionLog, ProxyMetrics
-from kvroute.proxy.prompts import BadRequest, error_body, parse_body, wants_stream
+from kvroute.proxy.prompts import BadRequest, error_body, wants_stream
 from kvroute.proxy.upstream import Exchange, UpstreamPool
 
 if TYPE_CHECKING:
@@ -119,9 +119,8 @@ class Forwarder:
     async def handle(self, req: Request, down: FrontConnection, chat: bool) -> None:
         """``POST /v1/completions`` or ``/v1/chat/completions``."""
         try:
-            body = parse_body(req.body)
+            body, keys, n_in = await self.keyer.parse(req.body, chat)
             stream = wants_stream(body)
-            keys, n_in = await self.keyer.keys(body, chat)
         except BadRequest as exc:
             self.metrics.error("bad_request")
             down.send_json(400, error_body(str(exc), "invalid_request_error", 400, exc.param))

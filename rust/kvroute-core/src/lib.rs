@@ -20,6 +20,7 @@ pub mod keys;
 pub mod lru;
 pub mod picker;
 pub mod policy;
+pub mod prompt_scan;
 pub mod rng;
 pub mod router;
 pub mod sim;

@@ -1,5 +1,6 @@
-//! Module functions: `block_hashes`, `chain_ids`, `policies`. Stateless, thread-safe;
-//! hashing runs with the GIL held (a 200k-token prompt takes well under a millisecond).
+//! Module functions: `block_hashes`, `chain_ids`, `policies`, `prompt_ids`. Stateless,
+//! thread-safe; hashing and scanning run with the GIL held (a 200k-token prompt takes well
+//! under a millisecond).
 
 use kvroute_core::keys::{self, TokenId, TokenOutOfRange};
 use kvroute_core::Policy;
@@ -83,4 +84,12 @@ pub fn chain_ids_lists<'py>(
 #[pyfunction]
 pub fn policies() -> Vec<&'static str> {
     Policy::ALL.iter().map(|p| p.name()).collect()
+}
+
+/// The top-level `"prompt"` token ids of a JSON completions body and the byte range of their
+/// array, when a scan finds them unambiguously (`kvroute_core::prompt_scan`); else None.
+#[pyfunction]
+pub fn prompt_ids<'py>(py: Python<'py>, body: &[u8]) -> Option<(Bound<'py, PyArray1<u32>>, usize, usize)> {
+    let found = kvroute_core::prompt_scan::prompt_ids(body)?;
+    Some((found.ids.into_pyarray(py), found.start, found.end))
 }
