@@ -62,3 +62,51 @@ def test_block_hashes_python_xxhash(benchmark: Any) -> None:
     assert _python_block_hashes(toks) == kvroute.block_hashes(toks).tolist()
     _info(benchmark, "python+xxhash", 65_536, "numpy int32")
     benchmark(_python_block_hashes, toks)
+
+
+# -- keying a request body: the proxy's two ways ---------------------------------------------
+
+
+def _body(n: int) -> bytes:
+    import json
+
+    ids = _tokens(n).tolist()
+    return json.dumps({"model": "m", "prompt": ids, "max_tokens": 16, "stream": True}).encode()
+
+
+@pytest.mark.parametrize("n", [512, 44_000])
+def test_key_body_scan(benchmark: Any, n: int) -> None:
+    """The proxy's way: scan the bytes for the ids, parse the rest, hash a uint32 array."""
+    import asyncio
+
+    from kvroute.proxy.keys import Keyer
+
+    raw, keyer = _body(n), Keyer("approx", 512)
+    loop = asyncio.new_event_loop()
+    benchmark.group = f"key a body {n}"
+    benchmark.extra_info.update(kind="key_body", impl="scan", tokens=n)
+    _, keys, got = benchmark(lambda: loop.run_until_complete(keyer.parse(raw, False)))
+    loop.close()
+    assert got == n and len(keys) == -(-n // 512)
+
+
+@pytest.mark.parametrize("n", [512, 44_000])
+def test_key_body_parse(benchmark: Any, n: int) -> None:
+    """The reference way: parse the whole body (orjson), hash the list of ids (the same
+    coroutine around it as the scan's)."""
+    import asyncio
+
+    from kvroute.proxy.keys import Keyer
+    from kvroute.proxy.prompts import parse_body
+
+    raw, keyer = _body(n), Keyer("approx", 512)
+
+    async def parse() -> Any:
+        return await keyer.keys(parse_body(raw), False)
+
+    loop = asyncio.new_event_loop()
+    benchmark.group = f"key a body {n}"
+    benchmark.extra_info.update(kind="key_body", impl="parse", tokens=n)
+    keys, got = benchmark(lambda: loop.run_until_complete(parse()))
+    loop.close()
+    assert got == n and len(keys) == -(-n // 512)
