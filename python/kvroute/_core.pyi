@@ -19,6 +19,7 @@ __all__ = [
     "engine_params",
     "engine_presets",
     "policies",
+    "prompt_ids",
     "simulate_runs",
 ]
 
