@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -83,7 +84,7 @@ class Proxy:
         )
         await self._side.setup()
         try:
-            if hasattr(socket, "AF_UNIX"):
+            if hasattr(socket, "AF_UNIX") and sys.platform != "win32":
                 self._dir = tempfile.mkdtemp(prefix="kvroute-proxy-")
                 path = os.path.join(self._dir, "side.sock")
                 await web.UnixSite(self._side, path).start()
