@@ -305,3 +305,17 @@ def test_a_port_in_use_is_a_clear_error(command: list[str]) -> None:
         port = busy.getsockname()[1]
         result = CliRunner().invoke(main, [*command, "--port", str(port)])
     assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+def test_side_endpoints_without_unix_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where asyncio has no Unix sockets, the side application listens on a loopback port."""
+    import sys
+
+    monkeypatch.setattr(sys, "platform", "win32")
+    with ServerThread() as st:
+        backend = Backend()
+        proxy = Proxy(ProxyConfig(backends=[st.start(backend.app())]))
+        url = st.start(proxy)
+        assert proxy._side_address[0] == "http"
+        status, _, raw = http("GET", url + "/health")
+        assert status == 200 and json.loads(raw)["backends_up"] == 1

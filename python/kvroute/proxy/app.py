@@ -89,7 +89,7 @@ class Proxy:
                 path = os.path.join(self._dir, "side.sock")
                 await web.UnixSite(self._side, path).start()
                 self._side_address = ("unix", path, 0)
-            else:  # pragma: no cover - platforms without Unix sockets
+            else:  # no Unix sockets in asyncio (Windows): a loopback port
                 site = web.TCPSite(self._side, "127.0.0.1", 0)
                 await site.start()
                 self._side_address = ("http", "127.0.0.1", self._side.addresses[0][1])
