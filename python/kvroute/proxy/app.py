@@ -40,6 +40,7 @@ from kvroute.proxy.http1 import without
 from kvroute.proxy.keys import Keyer
 from kvroute.proxy.observe import DecisionLog, ProxyMetrics
 from kvroute.proxy.prompts import error_body
+from kvroute.proxy.serving import app_runner, http_url
 from kvroute.proxy.upstream import Address, UpstreamPool
 
 log = logging.getLogger("kvroute.proxy")
@@ -79,9 +80,7 @@ class Proxy:
         self.upstreams = self.forwarder.upstreams = UpstreamPool(
             c.connect_timeout_s, c.request_timeout_s
         )
-        self._side = web.AppRunner(
-            self.side_app(), handler_cancellation=True, access_log=None, shutdown_timeout=grace
-        )
+        self._side = app_runner(self.side_app(), grace)
         await self._side.setup()
         try:
             if hasattr(socket, "AF_UNIX") and sys.platform != "win32":
@@ -98,8 +97,7 @@ class Proxy:
         except BaseException:
             await self.close()
             raise
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{bound}"
+        return http_url(host, bound)
 
     async def close(self) -> None:
         """Stop serving: running requests get the grace period, then everything closes."""

@@ -77,7 +77,7 @@ class Keyer:
             except BadRequest:
                 pass  # the full parse reports it, in its own words
             else:
-                return body, kvroute.block_hashes(ids, self.block_size), len(ids)
+                return body, *self.token_keys(ids)
         body = parse_body(raw)
         keys, n_in = await self.keys(body, chat)
         return body, keys, n_in

@@ -67,13 +67,24 @@ def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def app_runner(app: web.Application, shutdown_timeout: float) -> web.AppRunner:
+    """A runner of ``app`` with handler cancellation on and no access log (not set up)."""
+    return web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
+    )
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://host:port`` (an IPv6 host in brackets)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
 async def start_app(
     app: web.Application, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 1.0
 ) -> tuple[web.AppRunner, str]:
     """Start ``app`` on ``host:port``; returns its runner and ``http://host:port``."""
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout
-    )
+    runner = app_runner(app, shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048)
     try:
@@ -81,9 +92,7 @@ async def start_app(
     except BaseException:
         await runner.cleanup()
         raise
-    bound = runner.addresses[0][1]
-    shown = f"[{host}]" if ":" in host else host
-    return runner, f"http://{shown}:{bound}"
+    return runner, http_url(host, runner.addresses[0][1])
 
 
 def serve_forever(
