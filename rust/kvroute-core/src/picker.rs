@@ -88,8 +88,13 @@ pub(crate) struct PickState {
 
 impl PickInput<'_> {
     fn new_prefill(&self, i: usize) -> u64 {
-        let hit = hit_tokens(u64::from(self.matched[i]), self.block_size, self.input_length);
-        self.input_length - hit
+        self.new_prefill_of(self.matched[i])
+    }
+
+    /// The prefill left of this request where `matched` of its blocks are cached.
+    #[inline]
+    fn new_prefill_of(&self, matched: u32) -> u64 {
+        self.input_length - hit_tokens(u64::from(matched), self.block_size, self.input_length)
     }
 
     fn available(&self) -> impl Iterator<Item = usize> + '_ {
@@ -115,7 +120,6 @@ impl PickInput<'_> {
     /// far (this scan is most of a pick on a large cluster, and idle instances tie often).
     fn argmin_prefill(&self, state: &mut PickState, weigh_by_requests: bool) -> Option<(usize, Branch)> {
         debug_assert_eq!(self.matched.len(), self.loads.len(), "these policies walk the cache");
-        let (len, bs) = (self.input_length, self.block_size);
         let (mut best_first, mut best_rest) = (u128::MAX, (u64::MAX, u64::MAX));
         let tied = &mut state.tied;
         tied.clear();
@@ -123,7 +127,7 @@ impl PickInput<'_> {
             if !l.available {
                 continue;
             }
-            let new_prefill = len - hit_tokens(u64::from(m), bs, len);
+            let new_prefill = self.new_prefill_of(m);
             let work = u128::from(l.pending_prefill_tokens) + u128::from(new_prefill);
             let lead = if weigh_by_requests { work * u128::from(l.num_requests) } else { work };
             if lead > best_first {

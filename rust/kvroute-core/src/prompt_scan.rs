@@ -26,9 +26,7 @@ struct Scan<'a> {
 
 impl Scan<'_> {
     fn ws(&mut self) {
-        while self.b.get(self.pos).is_some_and(|&c| is_space(c)) {
-            self.pos += 1;
-        }
+        self.pos = self.b.len() - trim_space(self.b.get(self.pos..).unwrap_or_default()).len();
     }
 
     fn eat(&mut self, c: u8) -> Option<()> {
@@ -155,10 +153,6 @@ pub fn prompt_ids(body: &[u8]) -> Option<PromptIds> {
     let mut s = Scan { b: body, pos: 0 };
     s.eat(b'{')?;
     let mut found = None;
-    s.ws();
-    if s.b.get(s.pos) == Some(&b'}') {
-        return None;
-    }
     loop {
         let (key, escaped) = s.string()?;
         if escaped {
