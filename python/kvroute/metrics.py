@@ -91,8 +91,10 @@ def summarize(records: pa.Table, instances: int | None = None) -> dict[str, Any]
     t_over, t_clean = tpot[multi & overlap], tpot[multi & ~overlap]
     p_over, p_clean = _p90(t_over), _p90(t_clean)
     per_inst = np.bincount(inst, minlength=n_inst)[:n_inst] if len(inst) else np.zeros(n_inst, int)
-    # Per-instance p90 from one stable sort by instance (not one mask per instance).
-    order = np.argsort(inst, kind="stable")
+    # Per-instance p90 from one stable sort by instance (not one mask per instance); a radix
+    # sort when the instance numbers fit 16 bits.
+    narrow = inst.astype(np.int16) if n_inst <= np.iinfo(np.int16).max else inst
+    order = np.argsort(narrow, kind="stable")
     bounds = np.searchsorted(inst[order], np.arange(n_inst + 1))
     inst_p90 = [_p90(ttft[order[bounds[i] : bounds[i + 1]]]) for i in range(n_inst)]
     inst_p90v = np.array([v for v in inst_p90 if v is not None])

@@ -19,6 +19,9 @@ from prometheus_client.registry import Collector
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
+# vLLM's FinishReason values.
+FINISH_REASONS = ("stop", "length", "abort")
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
@@ -68,6 +71,8 @@ class EmulatorMetrics:
             registry=reg,
         )
         self._model = model
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM does
+            self._success.labels(model, reason)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in seconds.",
