@@ -2,8 +2,9 @@
 //!
 //! - [`keys`]: prefix-chained block keys from token ids.
 //! - [`cache`]: per-instance LRU cache models under one cluster-wide index (`index.rs`: the
-//!   open-addressing key index with prefetch; `background.rs`: the optional worker thread
-//!   that applies the router's touches).
+//!   open-addressing key index with prefetch; `background.rs`: the cache model handed to a
+//!   worker thread for its touches).
+//! - [`jobs`]: a job queue for a second thread (the simulator's engines and touches).
 //! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
 //! - [`router`]: the request state machine that ties them together.
 //! - [`ceilings`]: APC ceilings of a whole trace (parallel, rayon).
@@ -16,6 +17,7 @@ pub mod cache;
 pub mod ceilings;
 pub mod error;
 mod index;
+pub mod jobs;
 pub mod keys;
 pub mod lru;
 pub mod picker;

@@ -3,13 +3,16 @@
 //!
 //! `route` costs one cluster-index walk over the request's keys (policies that score the
 //! cache), one pass over the instances, and one touch per key on the chosen instance:
-//! O(keys + instances). `first_token` and `finish` are O(1). The touch can run on a
-//! background thread instead ([`Router::touch_in_background`], same results). Not
+//! O(keys + instances). `first_token` and `finish` are O(1). The touch can go to
+//! a worker thread instead ([`Router::touch_through`], same results). Not
 //! synchronised: wrap it in a lock to share it between threads (the Python binding does).
+
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 
 use crate::background::CacheCell;
+pub use crate::background::{TouchJob, TouchSink};
 use crate::cache::{ClusterCache, PrefixWalk};
 use crate::error::{Error, Result};
 use crate::keys::hit_tokens;
@@ -302,12 +305,11 @@ impl Router {
         self.cache.lock().add_instance()
     }
 
-    /// Apply the cache model's touches on a background thread from now on (results stay
-    /// identical; see `background.rs`). For a caller with other work between routes and a
-    /// core to spare, such as the simulator; the thread busy-waits for work until the router
-    /// is dropped.
-    pub fn touch_in_background(&mut self) {
-        self.cache.start_worker();
+    /// From now on, hand the cache model's touches to `sink` whenever its worker thread is
+    /// idle (results stay identical; see `background.rs`). For a caller with other work
+    /// between routes and a core to spare, such as the simulator.
+    pub fn touch_through(&mut self, sink: Arc<dyn TouchSink>) {
+        self.cache.touch_through(sink);
     }
 
     /// The affinity instance of a session, if it has one.

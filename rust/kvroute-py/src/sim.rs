@@ -210,7 +210,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
             router_cache,
             sample_interval: get(d, "sample_interval")?.extract()?,
             closed_form: get(d, "closed_form")?.extract()?,
-            background_touch: false,
+            second_thread: false,
         },
     ))
 }
@@ -282,6 +282,7 @@ fn output(py: Python<'_>, o: SimOutput) -> PyResult<Bound<'_, PyDict>> {
         ("router_in_flight", st.router_in_flight),
         ("router_counters_sum", st.router_counters_sum),
         ("max_in_flight", st.max_in_flight),
+        ("second_thread_settles", st.second_thread_settles),
     ] {
         stats.set_item(k, v)?;
     }

@@ -6,17 +6,20 @@
 //! ends and when a request arrives, so an engine has one pending event at a time, replaced
 //! when it changes. Sessions are launched lazily from a cursor, so the queue holds
 //! O(engines + sessions in flight) events. Deterministic for a config: ties in time break by
-//! insertion order. O(events · log(queue) + Σ keys + segments · running) time; memory
-//! O(requests) for the records plus the engines' state.
+//! insertion order. With a second thread, the engines settle there, and the router's touches
+//! go there when it is idle (`pipeline.rs`), with identical results. O(events · log(queue) + Σ keys + segments
+//! · running) time; memory O(requests) for the records plus the engines' state.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::dispatch::{check, launch_times, next_send, Mode};
 use super::engine::{Engine, EngineEvent};
 use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
 use super::params::EngineParams;
+use super::pipeline::{lock, work, Jobs, Settling};
 use super::queue::{EventQueue, Kind, Next};
 use super::trace::{Sessions, SimTrace};
 use crate::error::{Error, Result};
@@ -49,9 +52,9 @@ pub struct RunConfig {
     pub sample_interval: f64,
     /// Advance decode-only stretches in closed form (true) or step by step (validation).
     pub closed_form: bool,
-    /// Let the router apply its cache-model touches on a second thread
-    /// ([`Router::touch_in_background`]): same results, faster when a core is free.
-    pub background_touch: bool,
+    /// Settle engines, and touch the router's cache model when it is idle, on a second thread
+    /// (`pipeline.rs`): same results, faster when a core is free.
+    pub second_thread: bool,
 }
 
 struct Loop<'a, 't> {
@@ -59,7 +62,11 @@ struct Loop<'a, 't> {
     sessions: &'a Sessions,
     mode: Mode,
     router: Router,
-    engines: Vec<Engine<'t>>,
+    engines: &'a [Mutex<Engine<'t>>],
+    /// Engines out on the second thread, if there is one.
+    settling: Option<Settling<'a>>,
+    /// Every step lasts at least this long (an engine's lookahead on the second thread).
+    min_step: f64,
     queue: EventQueue,
     pos: Vec<u32>,
     rec: Records,
@@ -108,16 +115,22 @@ pub fn run(
             params: cfg.params.clone(),
         },
     )?;
-    if cfg.background_touch {
-        router.touch_in_background();
+    let engines: Vec<Mutex<Engine<'_>>> = (0..cfg.instances).map(|_| Mutex::new(engine.clone())).collect();
+    let jobs = cfg.second_thread.then(|| Arc::new(Jobs::default()));
+    if let Some(jobs) = &jobs {
+        router.touch_through(jobs.clone());
     }
-    let launches = launch_times(cfg.mode, trace, sessions, cfg.seed);
     let mut lp = Loop {
         trace,
         sessions,
         mode: cfg.mode,
         router,
-        engines: vec![engine; cfg.instances],
+        engines: &engines,
+        settling: jobs
+            .as_deref()
+            .filter(|_| busy_steps(trace, ep.step_overhead_s))
+            .map(|jobs| Settling::new(jobs, cfg.instances)),
+        min_step: ep.step_overhead_s,
         queue: EventQueue::new(cfg.instances),
         pos: vec![0; sessions.len()],
         rec: Records::new(trace.len()),
@@ -126,41 +139,20 @@ pub fn run(
         in_flight: 0,
         events: Vec::new(),
     };
-    let mut cursor = 0usize;
-    if let Some(&t) = launches.first() {
-        lp.queue.push(t, Kind::Launch);
-    }
-    if cfg.sample_interval > 0.0 {
-        lp.queue.push(0.0, Kind::Sample);
-    }
-    let mut samples = 0u64;
-    while let Some(next) = lp.queue.pop() {
-        lp.stats.events += 1;
-        if lp.stats.events % 4096 == 0 && cancel.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        match next {
-            Next::Driver(t, Kind::Launch) => {
-                let s = sessions.launch[cursor];
-                cursor += 1;
-                if let Some(&at) = launches.get(cursor) {
-                    lp.queue.push(at, Kind::Launch);
-                }
-                lp.send(s, t)?;
-            }
-            Next::Driver(t, Kind::Send(s)) => lp.send(s, t)?,
-            Next::Segment(_, e) => lp.segment(e),
-            Next::Driver(t, Kind::Sample) => {
-                lp.sample(t);
-                samples += 1;
-                if !lp.queue.is_empty() {
-                    lp.queue.push(samples as f64 * cfg.sample_interval, Kind::Sample);
-                }
-            }
-        }
+    let finished = match jobs.as_deref() {
+        None => lp.drive(cfg, cancel)?,
+        Some(jobs) => std::thread::scope(|scope| {
+            scope.spawn(|| work(jobs, &engines));
+            let _stop = StopOnDrop(jobs);
+            lp.drive(cfg, cancel)
+        })?,
+    };
+    if !finished {
+        return Ok(None);
     }
     let mut st = lp.stats;
-    for e in &lp.engines {
+    for e in &engines {
+        let e = lock(e);
         let c = &e.stats().counters;
         st.engine_steps += c.steps;
         st.segments += c.segments;
@@ -183,7 +175,77 @@ pub fn run(
     Ok(Some(SimOutput { records: lp.rec, series: lp.series, stats: st }))
 }
 
+/// Engines with more running requests settle in place: moving their state to the other
+/// core and back costs more than the overlap saves.
+const HAND_OVER_MAX_RUNNING: usize = 8;
+
+/// Whether requests arrive at least once per step on average over the trace's span: then
+/// engines are worth settling on the second thread (other events come before a settling
+/// engine's next step ends). Sparser runs hand it the router's touches only, since moving an
+/// engine's state between cores would cost more than the overlap saves.
+fn busy_steps(trace: &SimTrace<'_>, step: f64) -> bool {
+    let span = match (trace.timestamp.first(), trace.timestamp.last()) {
+        (Some(first), Some(last)) => last - first,
+        _ => 0.0,
+    };
+    trace.len() as f64 * step >= span
+}
+
+/// Stops the second thread's job queue when the loop returns, however it returns.
+struct StopOnDrop<'a>(&'a Jobs);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
 impl Loop<'_, '_> {
+    /// Take events until none is left; false when cancelled.
+    fn drive(&mut self, cfg: &RunConfig, cancel: &AtomicBool) -> Result<bool> {
+        let launches = launch_times(cfg.mode, self.trace, self.sessions, cfg.seed);
+        let mut cursor = 0usize;
+        if let Some(&t) = launches.first() {
+            self.queue.push(t, Kind::Launch);
+        }
+        if cfg.sample_interval > 0.0 {
+            self.queue.push(0.0, Kind::Sample);
+        }
+        let mut samples = 0u64;
+        loop {
+            if let Some(s) = &mut self.settling {
+                s.collect_due(&mut self.queue, self.engines);
+            }
+            let Some(next) = self.queue.pop() else { return Ok(true) };
+            self.stats.events += 1;
+            if self.stats.events % 4096 == 0 && cancel.load(Ordering::Relaxed) {
+                return Ok(false);
+            }
+            match next {
+                Next::Driver(t, Kind::Launch) => {
+                    let s = self.sessions.launch[cursor];
+                    cursor += 1;
+                    if let Some(&at) = launches.get(cursor) {
+                        self.queue.push(at, Kind::Launch);
+                    }
+                    self.send(s, t)?;
+                }
+                Next::Driver(t, Kind::Send(s)) => self.send(s, t)?,
+                Next::Segment(t, e) => self.segment(e as usize, t),
+                Next::Driver(t, Kind::Sample) => {
+                    if let Some(s) = &mut self.settling {
+                        s.collect_all(&mut self.queue, self.engines);
+                    }
+                    self.sample(t);
+                    samples += 1;
+                    if !self.queue.is_empty() {
+                        self.queue.push(samples as f64 * cfg.sample_interval, Kind::Sample);
+                    }
+                }
+            }
+        }
+    }
+
     /// Send session `s`'s next turn at `t`.
     fn send(&mut self, s: u32, t: f64) -> Result<()> {
         let row = self.sessions.rows_of(s)[self.pos[s as usize] as usize];
@@ -198,14 +260,17 @@ impl Loop<'_, '_> {
         self.in_flight += 1;
         self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight);
         let e = d.instance;
-        let before = self.engines[e].segment_end();
-        match self.engines[e].submit(u64::from(row), Cow::Borrowed(keys), input, output, t) {
-            Ok(_) => {
-                let after = self.engines[e].segment_end();
-                if after != before {
-                    self.schedule_engine(e);
-                }
-            }
+        if let Some(s) = &mut self.settling {
+            s.collect_engine(e, &mut self.queue, self.engines);
+        }
+        let mut engine = lock(&self.engines[e]);
+        let before = engine.segment_end();
+        let submitted = engine.submit(u64::from(row), Cow::Borrowed(keys), input, output, t);
+        let after = engine.segment_end();
+        drop(engine);
+        match submitted {
+            Ok(_) if after != before => self.queue.set_engine(e, after),
+            Ok(_) => {}
             Err(_) => {
                 self.rec.error[i] = EXCEEDS_KV;
                 self.rec.finish[i] = t;
@@ -217,14 +282,29 @@ impl Loop<'_, '_> {
         Ok(())
     }
 
-    fn schedule_engine(&mut self, e: usize) {
-        self.queue.set_engine(e, self.engines[e].segment_end());
-    }
-
-    fn segment(&mut self, e: u32) {
+    /// Engine `e`'s segment ended at `t`: report its events, settle it (on the second thread
+    /// when other events come before its next segment can end, else here) and queue its next
+    /// segment end.
+    fn segment(&mut self, e: usize, t: f64) {
         let mut events = std::mem::take(&mut self.events);
         events.clear();
-        self.engines[e as usize].complete_segment(&mut events);
+        self.queue.set_engine(e, None);
+        let earliest = t + self.min_step;
+        let overlaps = self.queue.peek_time().is_some_and(|next| next < earliest);
+        let mut engine = lock(&self.engines[e]);
+        let small = engine.load().0 <= HAND_OVER_MAX_RUNNING;
+        engine.advance(&mut events);
+        let ticket = match &mut self.settling {
+            Some(s) if overlaps && small => {
+                self.stats.second_thread_settles += 1;
+                Some(s.submit(e))
+            }
+            _ => {
+                engine.settle();
+                None
+            }
+        };
+        drop(engine);
         for ev in &events {
             match *ev {
                 EngineEvent::FirstToken { tag, time, .. } => {
@@ -248,7 +328,16 @@ impl Loop<'_, '_> {
             }
         }
         self.events = events;
-        self.schedule_engine(e as usize);
+        match (&mut self.settling, ticket) {
+            (Some(s), Some(ticket)) => {
+                let seq = self.queue.reserve();
+                s.handed_over(e, ticket, seq, earliest);
+            }
+            _ => {
+                let end = lock(&self.engines[e]).segment_end();
+                self.queue.set_engine(e, end);
+            }
+        }
     }
 
     /// A turn ended at `t`: send the session's next one per the dispatch mode.
@@ -266,6 +355,7 @@ impl Loop<'_, '_> {
 
     fn sample(&mut self, t: f64) {
         for (i, e) in self.engines.iter().enumerate() {
+            let e = lock(e);
             let (running, waiting) = e.load();
             let kv = e.kv();
             let s = &mut self.series;

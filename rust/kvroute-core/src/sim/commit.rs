@@ -1,47 +1,53 @@
-//! Committing a finished segment: prompt chunks computed (keys cached as they fill), tokens
-//! out, first tokens and finishes reported, blocks of finished requests released, and the
-//! next segment planned. O(requests in the segment + keys registered); part of
-//! [`Engine`]'s single-threaded state machine.
+//! Committing a finished segment, in two phases. [`Engine::advance`] moves the requests on:
+//! prompt chunks computed, tokens out, first tokens and finishes reported. [`Engine::settle`]
+//! then does the pool's share in the same order as one pass would (a run's new blocks, keys
+//! cached as their chunks fill, blocks of finished requests released) and plans the next
+//! segment. The split lets a caller report the events at once and settle the engine on
+//! another thread. O(requests in the segment + keys registered); part of [`Engine`]'s
+//! single-threaded state machine.
 
 use super::engine::{Engine, EngineEvent, FinishInfo};
+
+/// A pool operation left for [`Engine::settle`], in segment order.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum KvOp {
+    /// A decode run's request: its blocks for the run's tokens.
+    Grow(u32),
+    /// A prefill chunk computed: cache the keys it filled.
+    Register(u32),
+    /// A finished request: release its blocks.
+    Release(u32),
+}
 
 impl Engine<'_> {
     /// End the segment in progress: tokens out, finishes, next segment planned.
     pub fn complete_segment(&mut self, out: &mut Vec<EngineEvent>) {
-        let Some(mut seg) = self.seg.take() else { return };
+        self.advance(out);
+        self.settle();
+    }
+
+    /// First phase of [`Engine::complete_segment`]: the segment's tokens and events; the pool
+    /// is not touched. [`Engine::settle`] must follow before the engine is used otherwise.
+    pub fn advance(&mut self, out: &mut Vec<EngineEvent>) {
+        let Some(seg) = self.seg.take() else { return };
         let t = seg.end;
         self.counters.steps += seg.steps;
         self.counters.segments += 1;
+        let mut ops = std::mem::take(&mut self.kv_ops);
+        ops.clear();
         let mut finished = false;
-        if seg.run {
-            // Blocks of the run's steps, taken at once (checked when the run was planned).
-            let need: u64 = seg
-                .batch
-                .iter()
-                .filter(|&&(h, _)| self.slab[h as usize].alive)
-                .map(|&(h, _)| {
-                    let c = self.slab[h as usize].computed;
-                    self.blocks(c + seg.steps) - self.blocks(c)
-                })
-                .sum();
-            let ok = self.kv.alloc(need);
-            debug_assert!(ok, "a run's blocks were checked when it was planned");
-        }
         for &(h, n) in &seg.batch {
-            if !self.slab[h as usize].alive {
+            let r = &mut self.slab[h as usize];
+            if !r.alive {
                 continue;
             }
             if seg.run {
-                let c = self.slab[h as usize].computed;
-                let need = self.blocks(c + seg.steps) - self.blocks(c);
-                let r = &mut self.slab[h as usize];
-                r.private += need;
+                ops.push(KvOp::Grow(h));
                 r.computed += seg.steps;
                 r.generated += seg.steps;
-            } else if self.slab[h as usize].prefilling {
-                self.slab[h as usize].computed += n;
-                self.register_keys(h);
-                let r = &mut self.slab[h as usize];
+            } else if r.prefilling {
+                r.computed += n;
+                ops.push(KvOp::Register(h));
                 if r.computed < r.target {
                     continue;
                 }
@@ -53,16 +59,15 @@ impl Engine<'_> {
                     out.push(EngineEvent::FirstToken { tag: r.tag, time: t, cached_tokens: r.cached_tokens });
                 }
             } else {
-                let r = &mut self.slab[h as usize];
                 r.computed += 1;
                 r.generated += 1;
                 r.overlap |= seg.has_prefill;
             }
-            let r = &self.slab[h as usize];
             if self.emit_tokens {
                 out.push(EngineEvent::Tokens { tag: r.tag, time: t, generated: r.generated });
             }
             if r.generated >= r.output {
+                ops.push(KvOp::Release(h));
                 self.finish(h, t, out);
                 finished = true;
             }
@@ -71,9 +76,44 @@ impl Engine<'_> {
             let slab = &self.slab;
             self.running.retain(|&h| slab[h as usize].alive);
         }
+        self.kv_ops = ops;
+        self.settling = Some(seg);
+    }
+
+    /// Second phase of [`Engine::complete_segment`]: the pool's share of the segment
+    /// [`Engine::advance`] ended, then the next segment planned. No-op without one.
+    pub fn settle(&mut self) {
+        let Some(mut seg) = self.settling.take() else { return };
+        let ops = std::mem::take(&mut self.kv_ops);
+        // A run's request grew from `computed - steps` to `computed` tokens.
+        let grown = |e: &Self, h: u32| {
+            let c = e.slab[h as usize].computed;
+            e.blocks(c) - e.blocks(c - seg.steps)
+        };
+        if seg.run {
+            // Blocks of the run's steps, taken at once (checked when the run was planned).
+            let need: u64 =
+                ops.iter().map(|op| if let KvOp::Grow(h) = *op { grown(self, h) } else { 0 }).sum();
+            let ok = self.kv.alloc(need);
+            debug_assert!(ok, "a run's blocks were checked when it was planned");
+        }
+        for &op in &ops {
+            match op {
+                KvOp::Grow(h) => self.slab[h as usize].private += grown(self, h),
+                KvOp::Register(h) => self.register_keys(h),
+                KvOp::Release(h) => {
+                    let r = &mut self.slab[h as usize];
+                    let mut held = std::mem::take(&mut r.held);
+                    self.kv.release(&held, r.private);
+                    held.clear();
+                    self.slab[h as usize].held = held;
+                }
+            }
+        }
+        self.kv_ops = ops;
         self.spare = std::mem::take(&mut seg.batch);
         self.reap();
-        self.plan(t);
+        self.plan(seg.end);
     }
 
     fn register_keys(&mut self, h: u32) {
@@ -97,14 +137,10 @@ impl Engine<'_> {
         }
     }
 
+    /// Report a finished request (its blocks are released by `settle`).
     fn finish(&mut self, h: u32, t: f64, out: &mut Vec<EngineEvent>) {
         let r = &mut self.slab[h as usize];
         r.alive = false;
-        let mut held = std::mem::take(&mut r.held);
-        self.kv.release(&held, r.private);
-        held.clear();
-        let r = &mut self.slab[h as usize];
-        r.held = held;
         out.push(EngineEvent::Finish {
             tag: r.tag,
             time: t,

@@ -11,6 +11,7 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 
+use super::commit::KvOp;
 pub use super::events::{EngineCounters, EngineEvent, EngineStats, FinishInfo, Reject};
 use super::kv::KvPool;
 use super::params::EngineParams;
@@ -52,6 +53,10 @@ pub struct Engine<'a> {
     pub(super) running: Vec<u32>,
     pub(super) prefilling_running: usize,
     pub(super) seg: Option<Segment>,
+    /// The segment [`Engine::advance`] ended, until [`Engine::settle`].
+    pub(super) settling: Option<Segment>,
+    /// Pool operations `settle` owes (scratch between the two).
+    pub(super) kv_ops: Vec<KvOp>,
     pub(super) spare: Vec<(u32, u64)>,
     pub(super) counters: EngineCounters,
     pub(super) emit_tokens: bool,
@@ -76,6 +81,8 @@ impl<'a> Engine<'a> {
             running: Vec::new(),
             prefilling_running: 0,
             seg: None,
+            settling: None,
+            kv_ops: Vec::new(),
             spare: Vec::new(),
             counters: EngineCounters::default(),
             emit_tokens,

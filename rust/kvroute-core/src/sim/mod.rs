@@ -23,6 +23,7 @@ pub mod kv;
 pub mod live;
 pub mod output;
 pub mod params;
+mod pipeline;
 mod queue;
 mod sched;
 mod segment;

@@ -81,6 +81,8 @@ pub struct RunStats {
     pub router_counters_sum: u64,
     /// Most requests in flight at once across the cluster.
     pub max_in_flight: u64,
+    /// Segment ends whose engine settled on the second thread (0 without one).
+    pub second_thread_settles: u64,
 }
 
 /// Everything one run produced.

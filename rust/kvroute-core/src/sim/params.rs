@@ -235,8 +235,19 @@ impl EngineParams {
                 self.hbm_bytes, self.gpu_memory_utilization, self.weight_bytes, self.reserved_bytes
             ));
         }
-        if self.step_overhead_s <= 0.0 {
+        if !(self.step_overhead_s > 0.0 && self.step_overhead_s.is_finite()) {
             return fail("step_overhead_s must be positive (a step takes time)".into());
+        }
+        for (name, v) in [
+            ("prefill_s_per_token", self.prefill_s_per_token),
+            ("prefill_s_per_pair", self.prefill_s_per_pair),
+            ("decode_s_per_seq", self.decode_s_per_seq),
+            ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+        ] {
+            // A step then lasts at least step_overhead_s, which the simulator relies on.
+            if !(v >= 0.0 && v.is_finite()) {
+                return fail(format!("{name} must be a cost >= 0, got {v}"));
+            }
         }
         Ok(())
     }

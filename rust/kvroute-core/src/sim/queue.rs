@@ -94,13 +94,21 @@ impl EventQueue {
     /// Engine `e`'s pending segment now ends at `t` (`None`: it has none), replacing what was
     /// queued for it.
     pub fn set_engine(&mut self, e: usize, t: Option<f64>) {
-        let at = match t {
-            Some(t) => {
-                self.seq += 1;
-                At { t, seq: self.seq }
-            }
-            None => At::NEVER,
-        };
+        let seq = if t.is_some() { self.reserve() } else { u64::MAX };
+        self.set_engine_in_turn(e, t, seq);
+    }
+
+    /// Take a place in the order of equal times now, for an engine whose segment end is
+    /// known later ([`EventQueue::set_engine_in_turn`]).
+    pub fn reserve(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    /// [`EventQueue::set_engine`] with a place `seq` from [`EventQueue::reserve`]: among
+    /// equal times it comes where it would have, had it been set when the place was taken.
+    pub fn set_engine_in_turn(&mut self, e: usize, t: Option<f64>, seq: u64) {
+        let at = t.map_or(At::NEVER, |t| At { t, seq });
         let mut i = self.leaves + e;
         self.tree[i] = (at, e as u32);
         while i > 1 {
@@ -113,6 +121,16 @@ impl EventQueue {
     /// Whether nothing is queued.
     pub fn is_empty(&self) -> bool {
         self.heap.is_empty() && self.tree[1].0 == At::NEVER
+    }
+
+    /// The time of the earliest event, if any.
+    pub fn peek_time(&self) -> Option<f64> {
+        let engine = self.tree[1].0;
+        let first = match self.heap.peek() {
+            Some(ev) if !engine.before(ev.at) => ev.at,
+            _ => engine,
+        };
+        (first != At::NEVER).then_some(first.t)
     }
 
     /// Take the earliest event. An engine's segment end stays queued until
@@ -164,5 +182,29 @@ mod tests {
             ]
         );
         assert!(q.is_empty());
+    }
+
+    /// An engine set in a place reserved earlier comes, among equal times, where it would
+    /// have come had it been set then; `peek_time` sees what `pop` takes.
+    #[test]
+    fn a_reserved_place_keeps_its_turn() {
+        let mut q = EventQueue::new(2);
+        q.set_engine(0, Some(1.0));
+        let place = q.reserve();
+        q.push(2.0, Kind::Send(1));
+        q.set_engine(0, Some(2.0));
+        q.set_engine_in_turn(1, Some(2.0), place);
+        assert_eq!(q.peek_time(), Some(2.0));
+        let order: Vec<Next> = std::iter::from_fn(|| {
+            let next = q.pop()?;
+            if let Next::Segment(_, e) = next {
+                q.set_engine(e as usize, None);
+            }
+            Some(next)
+        })
+        .collect();
+        use Next::*;
+        assert_eq!(order, vec![Segment(2.0, 1), Driver(2.0, Kind::Send(1)), Segment(2.0, 0)]);
+        assert_eq!(q.peek_time(), None);
     }
 }

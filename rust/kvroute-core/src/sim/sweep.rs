@@ -27,18 +27,18 @@ impl<'t> PreparedTrace<'t> {
     }
 }
 
-/// A single run of at least this many requests over at least [`BACKGROUND_MIN_INSTANCES`]
-/// engines touches its router's cache model on a second core when there is one: there the
-/// engines' work between two routes hides the touches. On small clusters the touches are most
-/// of the work, and handing them over costs more than it saves.
-pub const BACKGROUND_MIN_REQUESTS: usize = 100_000;
-/// See [`BACKGROUND_MIN_REQUESTS`].
-pub const BACKGROUND_MIN_INSTANCES: usize = 64;
+/// A single run of at least this many requests over at least [`SECOND_THREAD_MIN_INSTANCES`]
+/// engines settles its engines on a second core when there is one (`pipeline.rs`): there
+/// the engines' pool work and planning run beside the router. On small clusters there is
+/// little to overlap within one step's lookahead, and handing over costs more than it saves.
+pub const SECOND_THREAD_MIN_REQUESTS: usize = 100_000;
+/// See [`SECOND_THREAD_MIN_REQUESTS`].
+pub const SECOND_THREAD_MIN_INSTANCES: usize = 64;
 
 /// Run `(trace index, config)` pairs in parallel; results in input order. A cancelled run
 /// yields `Ok(None)`. A single large run on a machine with a second core gets it for its
-/// router's cache-model touches (`RunConfig::background_touch`, see
-/// [`BACKGROUND_MIN_REQUESTS`]); several runs use the cores themselves.
+/// engines (`RunConfig::second_thread`, see [`SECOND_THREAD_MIN_REQUESTS`]); several runs
+/// use the cores themselves.
 pub fn run_many(
     traces: &[PreparedTrace<'_>],
     runs: &[(usize, RunConfig)],
@@ -49,9 +49,9 @@ pub fn run_many(
         .with_max_len(1)
         .map(|(t, cfg)| {
             let p = &traces[*t];
-            let large = p.trace.len() >= BACKGROUND_MIN_REQUESTS && cfg.instances >= BACKGROUND_MIN_INSTANCES;
-            let cfg =
-                RunConfig { background_touch: cfg.background_touch || (spare_core && large), ..cfg.clone() };
+            let large =
+                p.trace.len() >= SECOND_THREAD_MIN_REQUESTS && cfg.instances >= SECOND_THREAD_MIN_INSTANCES;
+            let cfg = RunConfig { second_thread: cfg.second_thread || (spare_core && large), ..cfg.clone() };
             run(&p.trace, &p.sessions, &cfg, cancel)
         })
         .collect()

@@ -85,7 +85,7 @@ fn config(policy: Policy, mode: Mode) -> RunConfig {
         router_cache: RouterCache::MatchEngine,
         sample_interval: 1.0,
         closed_form: true,
-        background_touch: false,
+        second_thread: false,
     }
 }
 
@@ -185,15 +185,68 @@ fn a_cancelled_run_stops() {
     assert!(many.iter().all(|r| matches!(r, Ok(Some(_)))));
 }
 
-#[test]
-fn background_touch_changes_no_result() {
-    let o = synthetic(12, 5);
-    for policy in [Policy::Unified, Policy::Lmetric, Policy::SglangCacheAware] {
-        let cfg = RunConfig { router_cache: RouterCache::Blocks(6), ..config(policy, Mode::Thinktime) };
-        let a = simulate(&o, &cfg);
-        let b = simulate(&o, &RunConfig { background_touch: true, ..cfg });
-        assert_eq!(a.records.instance, b.records.instance);
-        assert_eq!(a.records.finish, b.records.finish);
-        assert_eq!(a.records.cached_tokens, b.records.cached_tokens);
+/// `sessions` sessions with the same turns at the same times, 2 ms apart (a shared first key,
+/// then their own): engines get identical segments, whose ends tie, and requests arrive
+/// faster than steps end, so the second thread settles engines.
+fn identical(sessions: u32, turns: i32) -> Owned {
+    let mut o = Owned::empty();
+    for t in 0..turns {
+        for s in 0..sessions {
+            o.ts.push(f64::from(t) * 0.002);
+            o.sess.push(s);
+            o.turn.push(t);
+            let blocks = 2 + 2 * t as u64;
+            o.inp.push(blocks as i64 * 512);
+            o.out.push(40);
+            o.keys.push(7);
+            o.keys.extend((1..blocks).map(|b| u64::from(s) << 32 | b));
+            o.off.push(o.keys.len() as i64);
+            o.ttp.push(if t == 0 { f64::NAN } else { 0.25 });
+        }
     }
+    o
+}
+
+/// Everything a run reports but its wall time.
+fn report(out: &SimOutput) -> String {
+    let stats = RunStats { wall_s: 0.0, second_thread_settles: 0, ..out.stats.clone() };
+    format!("{:?}\n{:?}\n{:?}", out.records, out.series, stats)
+}
+
+/// Settling engines and touching the router's cache on a second thread gives the very
+/// same records, time series and counters, also with tied segment ends, evictions,
+/// preemptions and rejections.
+#[test]
+fn second_thread_changes_no_result() {
+    let roomy = EngineParams::preset("h20-qwen3-coder-30b-a3b").unwrap();
+    let tight = EngineParams { kv_capacity_tokens: 20 * 512, ..roomy.clone() };
+    let dense = |mut o: Owned| {
+        o.ts.iter_mut().for_each(|t| *t *= 1e-3);
+        o
+    };
+    let (mut preempted, mut evicted, mut settled) = (false, false, 0);
+    let traces = [
+        (synthetic(12, 5), &roomy),
+        (dense(synthetic(12, 5)), &roomy),
+        (dense(synthetic(12, 5)), &tight),
+        (identical(16, 4), &tight),
+    ];
+    for (o, engine) in traces {
+        for policy in [Policy::Unified, Policy::Lmetric, Policy::SglangCacheAware, Policy::RoundRobin] {
+            for mode in [Mode::Tracets, Mode::Thinktime, Mode::Poisson { rate: 2.0 }] {
+                let cfg = RunConfig {
+                    router_cache: RouterCache::Blocks(6),
+                    engine: engine.clone(),
+                    ..config(policy, mode)
+                };
+                let a = simulate(&o, &cfg);
+                let b = simulate(&o, &RunConfig { second_thread: true, ..cfg });
+                assert_eq!(report(&a), report(&b), "{policy:?} {mode:?}");
+                preempted |= a.stats.preemptions > 0;
+                evicted |= a.stats.evictions > 0;
+                settled += b.stats.second_thread_settles;
+            }
+        }
+    }
+    assert!(preempted && evicted && settled > 100, "{preempted} {evicted} {settled}");
 }
