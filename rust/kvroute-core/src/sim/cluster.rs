@@ -7,8 +7,9 @@
 //! when it changes. Sessions are launched lazily from a cursor, so the queue holds
 //! O(engines + sessions in flight) events. Deterministic for a config: ties in time break by
 //! insertion order. With a second thread, the engines settle there, and the router's touches
-//! go there when it is idle (`pipeline.rs`), with identical results. O(events · log(queue) + Σ keys + segments
-//! · running) time; memory O(requests) for the records plus the engines' state.
+//! go there when it is idle (`pipeline.rs`), with identical results. Time O(events ·
+//! log(queue) + Σ keys + segments · running); memory O(requests) for the records plus the
+//! engines' state.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +20,7 @@ use super::dispatch::{check, launch_times, next_send, Mode};
 use super::engine::{Engine, EngineEvent};
 use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
 use super::params::EngineParams;
-use super::pipeline::{lock, work, Jobs, Settling};
+use super::pipeline::{busy_steps, lock, work, Jobs, Settling, StopOnDrop, HAND_OVER_MAX_RUNNING};
 use super::queue::{EventQueue, Kind, Next};
 use super::trace::{Sessions, SimTrace};
 use crate::error::{Error, Result};
@@ -173,31 +174,6 @@ pub fn run(
         .sum();
     st.wall_s = started.elapsed().as_secs_f64();
     Ok(Some(SimOutput { records: lp.rec, series: lp.series, stats: st }))
-}
-
-/// Engines with more running requests settle in place: moving their state to the other
-/// core and back costs more than the overlap saves.
-const HAND_OVER_MAX_RUNNING: usize = 8;
-
-/// Whether requests arrive at least once per step on average over the trace's span: then
-/// engines are worth settling on the second thread (other events come before a settling
-/// engine's next step ends). Sparser runs hand it the router's touches only, since moving an
-/// engine's state between cores would cost more than the overlap saves.
-fn busy_steps(trace: &SimTrace<'_>, step: f64) -> bool {
-    let span = match (trace.timestamp.first(), trace.timestamp.last()) {
-        (Some(first), Some(last)) => last - first,
-        _ => 0.0,
-    };
-    trace.len() as f64 * step >= span
-}
-
-/// Stops the second thread's job queue when the loop returns, however it returns.
-struct StopOnDrop<'a>(&'a Jobs);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.stop();
-    }
 }
 
 impl Loop<'_, '_> {

@@ -4,7 +4,11 @@
 //! first tokens and finishes reach the router in time order) and hands the rest
 //! ([`Engine::settle`]: the pool's work and the next segment's plan, most of an engine's cost)
 //! to a worker thread, in order ([`JobQueue`]); the router hands that thread its cache-model
-//! touches too when it is idle (`background.rs`).
+//! touches too when it is idle (`background.rs`). Engines are handed over only in runs where
+//! requests come at least once per step ([`busy_steps`]), only when another event comes
+//! before their next step can end, and only while they run at most
+//! [`HAND_OVER_MAX_RUNNING`] requests; the rest settle in place.
+//!
 //! The loop may go on with events before the engine's next segment end is known, because
 //! that end is at least one step away: every step lasts at least `step_overhead_s` (the cost
 //! model's terms are non-negative), so an engine settling from time `t` cannot end a segment
@@ -23,6 +27,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::engine::Engine;
 use super::queue::EventQueue;
+use super::trace::SimTrace;
 use crate::jobs::JobQueue;
 use crate::router::TouchJob;
 
@@ -54,6 +59,31 @@ pub(super) fn work(jobs: &Jobs, engines: &[Mutex<Engine<'_>>]) {
 /// An engine, locked (a poisoned lock means the worker panicked, which the job queue reports).
 pub(super) fn lock<'a, 't>(engine: &'a Mutex<Engine<'t>>) -> MutexGuard<'a, Engine<'t>> {
     engine.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Engines with more running requests settle in place: moving their state to the other
+/// core and back costs more than the overlap saves.
+pub(super) const HAND_OVER_MAX_RUNNING: usize = 8;
+
+/// Whether requests arrive at least once per step on average over the trace's span: then
+/// engines are worth settling on the second thread (other events come before a settling
+/// engine's next step ends). Sparser runs hand it the router's touches only, since moving an
+/// engine's state between cores would cost more than the overlap saves.
+pub(super) fn busy_steps(trace: &SimTrace<'_>, step: f64) -> bool {
+    let span = match (trace.timestamp.first(), trace.timestamp.last()) {
+        (Some(first), Some(last)) => last - first,
+        _ => 0.0,
+    };
+    trace.len() as f64 * step >= span
+}
+
+/// Stops the second thread's job queue when the loop returns, however it returns.
+pub(super) struct StopOnDrop<'a>(pub &'a Jobs);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
 }
 
 /// An engine handed over: its settle job's ticket, its place among equal times, and the
