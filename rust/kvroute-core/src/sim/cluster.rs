@@ -266,18 +266,20 @@ impl Loop<'_, '_> {
         events.clear();
         self.queue.set_engine(e, None);
         let earliest = t + self.min_step;
-        let overlaps = self.queue.peek_time().is_some_and(|next| next < earliest);
         let mut engine = lock(&self.engines[e]);
-        let small = engine.load().0 <= HAND_OVER_MAX_RUNNING;
+        let hand_over = self.settling.is_some()
+            && engine.load().0 <= HAND_OVER_MAX_RUNNING
+            && self.queue.peek_time().is_some_and(|next| next < earliest);
         engine.advance(&mut events);
-        let ticket = match &mut self.settling {
-            Some(s) if overlaps && small => {
+        // Either the settle job's ticket, or the next segment end once settled here.
+        let settled = match &mut self.settling {
+            Some(s) if hand_over => {
                 self.stats.second_thread_settles += 1;
-                Some(s.submit(e))
+                Err(s.submit(e))
             }
             _ => {
                 engine.settle();
-                None
+                Ok(engine.segment_end())
             }
         };
         drop(engine);
@@ -304,15 +306,13 @@ impl Loop<'_, '_> {
             }
         }
         self.events = events;
-        match (&mut self.settling, ticket) {
-            (Some(s), Some(ticket)) => {
+        match (settled, &mut self.settling) {
+            (Ok(end), _) => self.queue.set_engine(e, end),
+            (Err(ticket), Some(s)) => {
                 let seq = self.queue.reserve();
                 s.handed_over(e, ticket, seq, earliest);
             }
-            _ => {
-                let end = lock(&self.engines[e]).segment_end();
-                self.queue.set_engine(e, end);
-            }
+            (Err(_), None) => unreachable!("a settle job without a second thread"),
         }
     }
 
