@@ -26,6 +26,7 @@ pub mod prompt_scan;
 pub mod rng;
 pub mod router;
 pub mod sim;
+mod stamped;
 
 pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};

@@ -1,9 +1,9 @@
 //! One instance's LRU order over block keys, kept as touch timestamps.
 //!
-//! Each resident key has a slot (stable while it is resident, so the cluster index can point
-//! at it) holding the key and the time it was last touched, side by side. A touch only writes
-//! that stamp: no list relinking, one cache line per key. A bounded cache also appends
-//! `(key, slot, stamp)` to a queue in touch order; eviction pops the queue's front, skipping
+//! Each resident key has a slot (stable while it is resident, so the cluster index can point at
+//! it) holding the key and the time it was last touched, side by side. A touch only writes that
+//! stamp: no list relinking, one cache line per key. A bounded cache also appends `(key, slot,
+//! stamp)` to a queue in touch order (`stamped.rs`); eviction pops the queue's front, skipping
 //! entries that a later touch made stale, and stale entries are dropped in place when they
 //! outnumber live ones. The order is the same as a move-to-front list's: the latest stamp is
 //! the most recent. The queue names the next victims' keys and slots, so callers can start
@@ -12,9 +12,8 @@
 //! Touch O(1); eviction amortized O(1); `keys_mru` O(n log n). Not synchronised: owned by
 //! [`crate::cache::ClusterCache`].
 
-use std::collections::VecDeque;
-
 use crate::index::prefetch;
+use crate::stamped::{Stamped, StampedQueue};
 
 /// One resident key and its last touch; stamp 0 marks a free slot.
 #[derive(Debug, Clone, Copy)]
@@ -23,21 +22,13 @@ struct Slot {
     stamp: u64,
 }
 
-/// One touch in the eviction queue; live while its slot still carries `stamp`.
-#[derive(Debug, Clone, Copy)]
-struct Touched {
-    key: u64,
-    stamp: u64,
-    slot: u32,
-}
-
 /// LRU order over resident keys.
 #[derive(Debug, Clone)]
 pub struct Lru {
     slots: Vec<Slot>,
     free: Vec<u32>,
     /// Touches in time order, for eviction; only kept when `evicts`.
-    queue: VecDeque<Touched>,
+    queue: StampedQueue,
     evicts: bool,
     clock: u64,
     len: usize,
@@ -52,7 +43,7 @@ impl Default for Lru {
 impl Lru {
     /// An empty LRU; `evicts` keeps the touch queue that [`Lru::pop_back`] needs.
     pub fn new(evicts: bool) -> Self {
-        Self { slots: Vec::new(), free: Vec::new(), queue: VecDeque::new(), evicts, clock: 0, len: 0 }
+        Self { slots: Vec::new(), free: Vec::new(), queue: StampedQueue::default(), evicts, clock: 0, len: 0 }
     }
 
     /// Number of resident keys.
@@ -101,10 +92,9 @@ impl Lru {
         let s = &mut self.slots[slot as usize];
         s.stamp = self.clock;
         if self.evicts {
-            self.queue.push_back(Touched { key: s.key, stamp: self.clock, slot });
-            if self.queue.len() > 2 * self.len + 1024 {
-                self.compact();
-            }
+            self.queue.push(s.key, slot, self.clock);
+            let slots = &self.slots;
+            self.queue.compact(self.len, |t| slots[t.slot as usize].stamp == t.stamp);
         }
     }
 
@@ -121,20 +111,16 @@ impl Lru {
     /// every future victim (and stale entry) is prefetched once, `ahead` entries early.
     pub fn pop_back_prefetching(&mut self, ahead: usize, mut ahead_key: impl FnMut(u64)) -> Option<u64> {
         assert!(self.evicts, "pop_back on an LRU without eviction order");
-        while let Some(t) = self.queue.pop_front() {
-            if let Some(a) = self.queue.get(ahead) {
-                prefetch(&self.slots[a.slot as usize]);
-                ahead_key(a.key);
-            }
-            let s = &mut self.slots[t.slot as usize];
-            if s.stamp == t.stamp {
-                s.stamp = 0;
-                self.free.push(t.slot);
-                self.len -= 1;
-                return Some(t.key);
-            }
-        }
-        None
+        let slots = &self.slots;
+        let live = |t: &Stamped| slots[t.slot as usize].stamp == t.stamp;
+        let t = self.queue.pop_live(ahead, live, |a| {
+            prefetch(&slots[a.slot as usize]);
+            ahead_key(a.key);
+        })?;
+        self.slots[t.slot as usize].stamp = 0;
+        self.free.push(t.slot);
+        self.len -= 1;
+        Some(t.key)
     }
 
     /// Keys from most to least recently touched (for tests and inspection).
@@ -142,12 +128,6 @@ impl Lru {
         let mut live: Vec<Slot> = self.slots.iter().copied().filter(|s| s.stamp != 0).collect();
         live.sort_unstable_by_key(|s| std::cmp::Reverse(s.stamp));
         live.into_iter().map(|s| s.key).collect()
-    }
-
-    /// Drop stale queue entries (a later touch superseded them); the rest keep their order.
-    fn compact(&mut self) {
-        let slots = &self.slots;
-        self.queue.retain(|t| slots[t.slot as usize].stamp == t.stamp);
     }
 }
 
@@ -195,6 +175,6 @@ mod tests {
         lru.push_front(2);
         lru.move_to_front(a);
         assert_eq!(lru.keys_mru(), vec![1, 2]);
-        assert!(lru.queue.is_empty());
+        assert_eq!(lru.queue.len(), 0);
     }
 }

@@ -8,20 +8,19 @@
 //! (vLLM's free-block queue). Blocks not covered by a cached key (partial chunks, decode
 //! tokens, keys another request cached first) are the request's private blocks.
 //!
-//! The LRU is a queue of release events `(key, slot, stamp)`; an entry remembers the stamp of
-//! its last release, and pinning or evicting it clears that stamp, so queue events that no
-//! longer match are skipped (and dropped in place when they outnumber live ones). Eviction
-//! reads the queue front to back, so the entries and map buckets of the next victims are
-//! prefetched well ahead and their cache misses overlap.
+//! The LRU is a queue of release events `(key, slot, stamp)` (`stamped.rs`); an entry remembers
+//! the stamp of its last release, and pinning or evicting it clears that stamp, so queue events
+//! that no longer match are skipped (and dropped in place when they outnumber live ones).
+//! Eviction reads the queue front to back, so the entries and map buckets of the next victims
+//! are prefetched well ahead and their cache misses overlap.
 //!
 //! Accounting: `pinned` (private + referenced entries) + `cached` (free entries) + empty =
 //! total. New blocks come from empty ones first, then by evicting free entries, LRU first.
 //! Every operation is O(1) per key touched (eviction amortized); an entry map lookup per key
 //! (a `KeyIndex`, prefetched ahead). Not synchronised: owned by one engine.
 
-use std::collections::VecDeque;
-
 use crate::index::{prefetch, KeyIndex};
+use crate::stamped::{Stamped, StampedQueue};
 
 /// How many queue events ahead eviction prefetches victims' entries and map buckets.
 const EVICT_AHEAD: usize = 8;
@@ -35,14 +34,6 @@ struct Entry {
     freed: u64,
 }
 
-/// An entry's release, in the LRU queue.
-#[derive(Debug, Clone, Copy)]
-struct Freed {
-    key: u64,
-    stamp: u64,
-    slot: u32,
-}
-
 /// The pool and its prefix cache.
 #[derive(Debug, Clone)]
 pub struct KvPool {
@@ -53,7 +44,7 @@ pub struct KvPool {
     entries: Vec<Entry>,
     free_slots: Vec<u32>,
     /// Releases in time order (front evicted first); live where the entry's stamp matches.
-    queue: VecDeque<Freed>,
+    queue: StampedQueue,
     /// Unreferenced entries, and the last release stamp handed out.
     free_entries: usize,
     clock: u64,
@@ -80,7 +71,7 @@ impl KvPool {
             map: KeyIndex::default(),
             entries: Vec::new(),
             free_slots: Vec::new(),
-            queue: VecDeque::new(),
+            queue: StampedQueue::default(),
             free_entries: 0,
             clock: 0,
             evictions: 0,
@@ -217,13 +208,11 @@ impl KvPool {
                 self.clock += 1;
                 e.freed = self.clock;
                 self.free_entries += 1;
-                self.queue.push_back(Freed { key: e.key, stamp: self.clock, slot });
+                self.queue.push(e.key, slot, self.clock);
             }
         }
-        if self.queue.len() > 2 * self.free_entries + 1024 {
-            let entries = &self.entries;
-            self.queue.retain(|f| entries[f.slot as usize].freed == f.stamp);
-        }
+        let entries = &self.entries;
+        self.queue.compact(self.free_entries, |f| entries[f.slot as usize].freed == f.stamp);
     }
 
     /// Unreferenced resident keys from most to least recently freed (tests).
@@ -239,12 +228,14 @@ impl KvPool {
         let mut freed = 0;
         (0..EVICT_AHEAD.min(self.queue.len())).for_each(|at| self.prefetch_victim(at));
         while freed < need {
-            self.prefetch_victim(EVICT_AHEAD);
-            let f = self.queue.pop_front().expect("eviction from an empty LRU");
+            let (entries, map) = (&self.entries, &self.map);
+            let live = |f: &Stamped| entries[f.slot as usize].freed == f.stamp;
+            let f = self.queue.pop_live(EVICT_AHEAD, live, |a| {
+                prefetch(&entries[a.slot as usize]);
+                map.prefetch(a.key);
+            });
+            let f = f.expect("eviction from an empty LRU");
             let e = &mut self.entries[f.slot as usize];
-            if e.freed != f.stamp {
-                continue;
-            }
             e.freed = 0;
             freed += u64::from(e.blocks);
             self.cached -= u64::from(e.blocks);
@@ -265,6 +256,8 @@ impl KvPool {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
+
     use super::*;
 
     #[test]
