@@ -45,6 +45,8 @@ pub(crate) fn wait_until(ready: impl Fn() -> bool, failed: impl Fn() -> bool, wh
     }
 }
 
+/// `m`, locked. A poisoned lock (a panic on the other thread, which the job queue or the
+/// cache's touch counters report to waiters) is taken as it is.
 pub(crate) fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -20,10 +20,11 @@ use super::dispatch::{check, launch_times, next_send, Mode};
 use super::engine::{Engine, EngineEvent};
 use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
 use super::params::EngineParams;
-use super::pipeline::{busy_steps, lock, work, Jobs, Settling, StopOnDrop, HAND_OVER_MAX_RUNNING};
+use super::pipeline::{busy_steps, work, Jobs, Settling, StopOnDrop, HAND_OVER_MAX_RUNNING};
 use super::queue::{EventQueue, Kind, Next};
 use super::trace::{Sessions, SimTrace};
 use crate::error::{Error, Result};
+use crate::jobs::locked;
 use crate::policy::{Policy, PolicyParams};
 use crate::router::{Id, Router, RouterConfig};
 
@@ -153,7 +154,7 @@ pub fn run(
     }
     let mut st = lp.stats;
     for e in &engines {
-        let e = lock(e);
+        let e = locked(e);
         let c = &e.stats().counters;
         st.engine_steps += c.steps;
         st.segments += c.segments;
@@ -239,7 +240,7 @@ impl Loop<'_, '_> {
         if let Some(s) = &mut self.settling {
             s.collect_engine(e, &mut self.queue, self.engines);
         }
-        let mut engine = lock(&self.engines[e]);
+        let mut engine = locked(&self.engines[e]);
         let before = engine.segment_end();
         let submitted = engine.submit(u64::from(row), Cow::Borrowed(keys), input, output, t);
         let after = engine.segment_end();
@@ -264,12 +265,14 @@ impl Loop<'_, '_> {
     fn segment(&mut self, e: usize, t: f64) {
         let mut events = std::mem::take(&mut self.events);
         events.clear();
-        self.queue.set_engine(e, None);
         let earliest = t + self.min_step;
-        let mut engine = lock(&self.engines[e]);
-        let hand_over = self.settling.is_some()
-            && engine.load().0 <= HAND_OVER_MAX_RUNNING
-            && self.queue.peek_time().is_some_and(|next| next < earliest);
+        let mut engine = locked(&self.engines[e]);
+        let hand_over = self.settling.is_some() && engine.load().0 <= HAND_OVER_MAX_RUNNING && {
+            // Whether anything but this segment end comes first (a handed-over engine is out
+            // of the queue until collected).
+            self.queue.set_engine(e, None);
+            self.queue.peek_time().is_some_and(|next| next < earliest)
+        };
         engine.advance(&mut events);
         // Either the settle job's ticket, or the next segment end once settled here.
         let settled = match &mut self.settling {
@@ -331,7 +334,7 @@ impl Loop<'_, '_> {
 
     fn sample(&mut self, t: f64) {
         for (i, e) in self.engines.iter().enumerate() {
-            let e = lock(e);
+            let e = locked(e);
             let (running, waiting) = e.load();
             let kv = e.kv();
             let s = &mut self.series;

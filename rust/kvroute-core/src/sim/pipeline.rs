@@ -23,12 +23,12 @@
 //! mutexes shared with the worker; only the loop's thread uses the rest.
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::Mutex;
 
 use super::engine::Engine;
 use super::queue::EventQueue;
 use super::trace::SimTrace;
-use crate::jobs::JobQueue;
+use crate::jobs::{locked, JobQueue};
 use crate::router::TouchJob;
 
 /// Work for the second thread.
@@ -51,14 +51,9 @@ pub(super) type Jobs = JobQueue<Job>;
 /// The worker's side: run the jobs until the queue is stopped.
 pub(super) fn work(jobs: &Jobs, engines: &[Mutex<Engine<'_>>]) {
     jobs.run(|job| match job {
-        Job::Settle(e) => lock(&engines[e as usize]).settle(),
+        Job::Settle(e) => locked(&engines[e as usize]).settle(),
         Job::Touch(t) => t.apply(),
     });
-}
-
-/// An engine, locked (a poisoned lock means the worker panicked, which the job queue reports).
-pub(super) fn lock<'a, 't>(engine: &'a Mutex<Engine<'t>>) -> MutexGuard<'a, Engine<'t>> {
-    engine.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Engines with more running requests settle in place: moving their state to the other
@@ -168,7 +163,7 @@ impl<'a> Settling<'a> {
         self.jobs.wait(h.ticket);
         let e = h.e as usize;
         self.out[e] = None;
-        let end = lock(&engines[e]).segment_end();
+        let end = locked(&engines[e]).segment_end();
         debug_assert!(end.is_none_or(|t| t >= h.earliest), "a step shorter than step_overhead_s");
         events.set_engine_in_turn(e, end, h.seq);
     }
