@@ -37,3 +37,16 @@ def default_sigint() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def data_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The proxy's data path: modules that use this fixture run against both (proxies built
+    without an explicit ``data_path`` get this one)."""
+    from kvroute.proxy import config
+
+    if request.param == "native" and not config.native_available():
+        pytest.skip("this build has no native data path")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "default_data_path", lambda: request.param)
+        yield request.param

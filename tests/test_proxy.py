@@ -24,6 +24,9 @@ from kvroute.proxy.keys import Keyer, approx_keys
 from kvroute.proxy.prompts import BadRequest, completion_prompt, parse_body, render_chat
 from livekit import MODEL, Stack, http, sse_events, wait_until
 
+#: Every test here runs against both data paths (``conftest.data_path``).
+pytestmark = pytest.mark.usefixtures("data_path")
+
 # -- keys and prompts -----------------------------------------------------------------------
 
 
@@ -144,7 +147,7 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def recorded() -> Iterator[tuple[ServerThread, str, Recorder, Any]]:
+def recorded(data_path: str) -> Iterator[tuple[ServerThread, str, Recorder, Any]]:
     with ServerThread() as st:
         rec = Recorder()
         backend = st.start(rec.app())
@@ -329,7 +332,7 @@ def test_sessions_from_the_body_and_backend_tokenizer(tmp_path: Path) -> None:
             if i == 0:
                 first = headers["X-Kvroute-Instance"]
             assert headers["X-Kvroute-Instance"] == first
-        s.proxy.decision_log.flush()  # type: ignore[union-attr]
+        s.proxy.flush_decision_log()
         lines = [json.loads(x) for x in log.read_text().splitlines()]
         assert {d["session"] for d in lines} == {"body-session"}
         assert {d["input_length"] for d in lines} == {count}

@@ -17,6 +17,9 @@ import pytest
 from kvroute.emulator import FaultConfig
 from livekit import MODEL, Stack, http, spawn, sse_events, stop, wait_until
 
+#: Every test here runs against both data paths (``conftest.data_path``).
+pytestmark = pytest.mark.usefixtures("data_path")
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -20,6 +20,9 @@ from kvroute.proxy.front import FrontConnection
 from kvroute.proxy.http1 import ResponseHead, body_reader, parse_response_head
 from livekit import http, wait_until
 
+#: Every test here runs against both data paths (``conftest.data_path``).
+pytestmark = pytest.mark.usefixtures("data_path")
+
 
 class Backend:
     """A fake engine: echoes bodies, streams ``n`` chunks of ``size`` bytes on request, and
@@ -62,7 +65,7 @@ LOOPS = ["asyncio", *(["uvloop"] if importlib.util.find_spec("uvloop") else [])]
 
 
 @pytest.fixture(scope="module", params=LOOPS)
-def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[str, Backend, Proxy]]:
+def proxied(request: pytest.FixtureRequest, data_path: str) -> Iterator[tuple[str, Backend, Proxy]]:
     """A proxy in front of a :class:`Backend`, on asyncio's event loop and on uvloop's (the
     command line's), whose transports differ."""
     with ServerThread(use_uvloop=request.param == "uvloop") as st:
@@ -205,12 +208,14 @@ def test_a_slow_reader_gets_every_byte(
     with connect(url) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(post({"prompt": [1], "stream": True, "n": 300, "size": 20000}))
+        # the native path blocks in its write to this client and reads nothing upstream meanwhile
         time.sleep(0.3)  # the proxy's buffer to this client fills up meanwhile
         head, body = Reader(sock).response()
     events = [e for e in body.split(b"\n\n") if e]
     assert head.status == 200 and len(events) == 301
     assert all(e == b"data: " + str(i % 10).encode() * 20000 for i, e in enumerate(events[:-1]))
-    assert any(pauses)  # the upstream was paused while the client lagged
+    if proxy.config.data_path == "python":
+        assert any(pauses)  # the upstream was paused while the client lagged
     wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
 
 

@@ -91,6 +91,13 @@ def _ready(what: str) -> Any:
     default=None,
     help="Append one JSON line per routing decision to this file.",
 )
+@click.option(
+    "--data-path",
+    type=click.Choice(["native", "python"]),
+    default=None,
+    help="What serves the port: the compiled relay (native; the default on Unix) or asyncio "
+    "(python; needed for https:// backends).",
+)
 @click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
 def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
@@ -115,6 +122,7 @@ def proxy(**kw: Any) -> None:
             healthy_after=kw["healthy_after"],
             admin_token=kw["admin_token"] or None,
             decision_log=kw["decision_log"],
+            data_path=kw["data_path"],
         )
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:

@@ -1,8 +1,10 @@
 """The proxy: its parts, its two servers, start-up and shutdown.
 
-Clients talk to :class:`~kvroute.proxy.front.FrontServer`, the proxy's own HTTP/1.1 server.
-``POST /v1/completions`` and ``POST /v1/chat/completions`` are forwarded from there
-(:mod:`.handler`); every other request is relayed to an aiohttp application on a private
+Clients talk to the data path: by default the compiled relay (``kvroute._core.Relay``,
+:mod:`.native`), else (``data_path="python"``) :class:`~kvroute.proxy.front.FrontServer`, the
+proxy's own HTTP/1.1 server on asyncio. ``POST /v1/completions`` and ``POST
+/v1/chat/completions`` are forwarded from there (by the relay itself, or :mod:`.handler`);
+every other request is relayed to an aiohttp application on a private
 Unix socket (a loopback port where there are no Unix sockets), which serves ``GET
 /v1/models`` and ``POST /tokenize`` (relayed from a live backend), ``GET /health`` (200
 while a backend is up, else 503), ``GET /metrics`` (:mod:`.observe`) and the admin API
@@ -38,6 +40,7 @@ from kvroute.proxy.front import FrontConnection, FrontServer, Request
 from kvroute.proxy.handler import DROP, HOP, Forwarder, upstream_request
 from kvroute.proxy.http1 import without
 from kvroute.proxy.keys import Keyer
+from kvroute.proxy.native import RelayCollector, RelayHooks, listen
 from kvroute.proxy.observe import DecisionLog, ProxyMetrics
 from kvroute.proxy.prompts import error_body
 from kvroute.proxy.serving import app_runner, http_url
@@ -56,10 +59,15 @@ class Proxy:
         options = dict(config.router_options)
         self.router = kvroute.Router(len(config.backends), config.policy, **options)
         self.pool = BackendPool(config, self.router)
-        self.metrics = ProxyMetrics(
-            config.policy, self.router, lambda: [b.url for b in self.pool.backends]
+        self.native = config.data_path == "native"
+        self._relay: Any = None
+        urls = self._urls
+        self.metrics = ProxyMetrics(config.policy, self.router, urls, python_path=not self.native)
+        if self.native:
+            self.metrics.registry.register(RelayCollector(config.policy, self._relay_stats, urls))
+        self.decision_log = (
+            DecisionLog(config.decision_log) if config.decision_log and not self.native else None
         )
-        self.decision_log = DecisionLog(config.decision_log) if config.decision_log else None
         self.keyer = Keyer(config.tokenizer, config.block_size, self._remote_tokenize)
         self.forwarder = Forwarder(
             config, self.router, self.pool, self.keyer, self.metrics, self.decision_log
@@ -92,15 +100,50 @@ class Proxy:
                 site = web.TCPSite(self._side, "127.0.0.1", 0)
                 await site.start()
                 self._side_address = ("http", "127.0.0.1", self._side.addresses[0][1])
-            self._front = FrontServer(self._serve, c.max_body_bytes)
-            bound = await self._front.start(host, port)
+            if self.native:
+                bound = self._start_relay(host, port)
+            else:
+                self._front = FrontServer(self._serve, c.max_body_bytes)
+                bound = await self._front.start(host, port)
         except BaseException:
             await self.close()
             raise
         return http_url(host, bound)
 
+    def _start_relay(self, host: str, port: int) -> int:
+        from kvroute._core import Relay
+
+        c = self.config
+        sock = listen(host, port)
+        bound = int(sock.getsockname()[1])
+        hooks = RelayHooks(self.keyer, self.pool, asyncio.get_running_loop(), c.session_field)
+        self._relay = Relay(
+            sock.detach(),
+            self.router,
+            self._side_address,
+            hooks,
+            max_body=c.max_body_bytes,
+            request_timeout_s=c.request_timeout_s,
+            connect_timeout_s=c.connect_timeout_s,
+            max_concurrency=c.max_concurrency,
+            retries=c.retries,
+            session_header=c.session_header,
+            decision_log=c.decision_log,
+        )
+        self.pool.attach(self._relay)
+        return bound
+
+    def _urls(self) -> list[str]:
+        return [b.url for b in self.pool.backends]
+
+    def _relay_stats(self) -> dict[str, Any] | None:
+        return None if self._relay is None else self._relay.stats()
+
     async def close(self) -> None:
         """Stop serving: running requests get the grace period, then everything closes."""
+        if self._relay is not None:
+            relay, self._relay = self._relay, None
+            await asyncio.get_running_loop().run_in_executor(None, relay.stop, self._grace)
         if self._front is not None:
             await self._front.close(self._grace)
             self._front = None
@@ -177,8 +220,8 @@ class Proxy:
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
         tasks = [asyncio.create_task(self.pool.health_loop(self.session))]
-        if self.decision_log is not None:
-            tasks.append(asyncio.create_task(self._flush_loop(self.decision_log)))
+        if self.config.decision_log:
+            tasks.append(asyncio.create_task(self._flush_loop()))
         try:
             yield
         finally:
@@ -191,11 +234,17 @@ class Proxy:
             if self.decision_log is not None:
                 self.decision_log.close()
 
-    @staticmethod
-    async def _flush_loop(decision_log: DecisionLog) -> None:
+    async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            decision_log.flush()
+            self.flush_decision_log()
+
+    def flush_decision_log(self) -> None:
+        """Write out the decision log's buffered lines (done every second anyway)."""
+        if self.decision_log is not None:
+            self.decision_log.flush()
+        if self._relay is not None:
+            self._relay.flush_log()
 
     async def _relay_once(self, method: str, path: str, data: bytes | None) -> web.Response:
         assert self.session is not None

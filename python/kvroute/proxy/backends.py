@@ -61,8 +61,26 @@ class BackendPool:
         self.config = config
         self.router = router
         self.backends: list[Backend] = []
+        #: The compiled data path (``kvroute._core.Relay``), once it serves: told where each
+        #: backend is and whether it has failures to clear.
+        self.relay: Any = None
         for url in config.backends:
             self.add(url)
+
+    def attach(self, relay: Any) -> None:
+        """Serve through ``relay``: tell it every backend, and each change from now on."""
+        self.relay = relay
+        for b in self.backends:
+            self._place(b)
+
+    def _place(self, b: Backend) -> None:
+        if self.relay is not None:
+            self.relay.set_backend(b.index, b.url, b.address, b.host, b.prefix)
+            self._note(b)
+
+    def _note(self, b: Backend) -> None:
+        if self.relay is not None:
+            self.relay.set_failing(b.index, b.failures > 0)
 
     def __len__(self) -> int:
         return len(self.backends)
@@ -80,12 +98,15 @@ class BackendPool:
     def add(self, url: str) -> Backend:
         """Add a backend (or bring a removed one back); it starts up."""
         url = normalize_url(url)
+        if self.relay is not None and url.startswith("https://"):
+            raise InvalidArgumentError(f"the native data path does not speak TLS ({url})")
         for b in self.backends:
             if b.url == url:
                 if not b.removed:
                     raise InvalidArgumentError(f"backend {url} is already in the pool")
                 b.removed, b.up, b.failures, b.successes = False, True, 0, 0
                 self._sync(b)
+                self._note(b)
                 return b
         index = (
             self.router.add_instance()
@@ -95,6 +116,7 @@ class BackendPool:
         b = Backend(index, url)
         self.backends.append(b)
         self._sync(b)
+        self._place(b)
         return b
 
     def find(self, key: str | int) -> Backend:
@@ -120,6 +142,7 @@ class BackendPool:
     def failure(self, b: Backend) -> None:
         b.successes = 0
         b.failures += 1
+        self._note(b)
         if b.up and b.failures >= self.config.unhealthy_after:
             b.up = False
             log.warning("backend %s is down after %d failures", b.url, b.failures)
@@ -128,9 +151,11 @@ class BackendPool:
     def success(self, b: Backend) -> None:
         """A request went well: the failure streak ends (health checks bring a backend up)."""
         b.failures = 0
+        self._note(b)
 
     def _health_ok(self, b: Backend) -> None:
         b.failures = 0
+        self._note(b)
         b.successes += 1
         if not b.up and b.successes >= self.config.healthy_after:
             b.up = True

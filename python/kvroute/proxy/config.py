@@ -9,7 +9,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvroute
+from kvroute import _core
 from kvroute.errors import InvalidArgumentError
+
+#: The data paths: ``native`` (the compiled relay, ``kvroute._core.Relay``; Unix only, plain
+#: ``http://`` backends) and ``python`` (asyncio; any platform, ``https://`` backends too).
+DATA_PATHS = ("native", "python")
+
+
+def native_available() -> bool:
+    """Whether this build has the compiled data path (Unix builds)."""
+    return hasattr(_core, "Relay")
+
+
+def default_data_path() -> str:
+    """``native`` where the build has it, else ``python``."""
+    return "native" if native_available() else "python"
 
 
 def normalize_url(url: str) -> str:
@@ -53,9 +68,25 @@ class ProxyConfig:
     #: Bearer token of the admin API; None turns the admin API off.
     admin_token: str | None = None
     decision_log: str | None = None
+    #: Which data path serves the port (see :data:`DATA_PATHS`); None: :func:`default_data_path`.
+    data_path: str | None = None
 
     def __post_init__(self) -> None:
         self.backends = [normalize_url(u) for u in self.backends]
+        if self.data_path is None:
+            self.data_path = default_data_path()
+        if self.data_path not in DATA_PATHS:
+            raise InvalidArgumentError(
+                f"data_path must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}"
+            )
+        if self.data_path == "native":
+            if not native_available():
+                raise InvalidArgumentError("the native data path needs a Unix build; use python")
+            for url in self.backends:
+                if url.startswith("https://"):
+                    raise InvalidArgumentError(
+                        f"the native data path does not speak TLS ({url}); use data_path python"
+                    )
         if len(set(self.backends)) != len(self.backends):
             raise InvalidArgumentError("the same backend URL is given twice")
         if self.policy not in kvroute.policies():

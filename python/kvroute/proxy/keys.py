@@ -64,11 +64,20 @@ class Keyer:
             raise BadRequest(f"prompt: {exc}", "prompt") from exc
 
     async def parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], Keys, int]:
-        """A body's JSON object, block keys and prompt length. A completions body's token-id
-        prompt is found by a scan of the raw bytes (``kvroute._core.prompt_ids``, ~9 ns per
-        id) and only the rest of the body goes to the JSON parser, which would otherwise make
-        a Python int of every id; bodies the scan cannot read unambiguously, and any error,
-        take the full parse, so both accept and refuse the same bodies."""
+        """A body's JSON object, block keys and prompt length (:meth:`parse_now`, then the
+        backend's ``/tokenize`` when the mode asks for it)."""
+        body, got = self.parse_now(raw, chat)
+        if got is None:
+            got = await self.remote_keys(body, chat)
+        return body, *got
+
+    def parse_now(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], tuple[Keys, int] | None]:
+        """A body's JSON object and its keys and prompt length, or None for the keys when
+        only the backend can tell them (``backend`` mode, text prompt). A completions body's
+        token-id prompt is found by a scan of the raw bytes (``kvroute._core.prompt_ids``,
+        ~9 ns per id) and only the rest of the body goes to the JSON parser, which would
+        otherwise make a Python int of every id; bodies the scan cannot read unambiguously,
+        and any error, take the full parse, so both accept and refuse the same bodies."""
         found = None if chat else prompt_ids(raw)
         if found is not None:
             ids, start, end = found
@@ -77,29 +86,40 @@ class Keyer:
             except BadRequest:
                 pass  # the full parse reports it, in its own words
             else:
-                return body, *self.token_keys(ids)
+                return body, self.token_keys(ids)
         body = parse_body(raw)
-        keys, n_in = await self.keys(body, chat)
-        return body, keys, n_in
+        return body, self.keys_now(body, chat)
 
     async def keys(self, body: dict[str, Any], chat: bool) -> tuple[Keys, int]:
         """The block keys and prompt length of a completions or chat body."""
+        got = self.keys_now(body, chat)
+        return got if got is not None else await self.remote_keys(body, chat)
+
+    def keys_now(self, body: dict[str, Any], chat: bool) -> tuple[Keys, int] | None:
+        """:meth:`keys` without the round-trip: None when it would take one."""
         prompt: Prompt = request_prompt(body, chat)
         if isinstance(prompt, list):
             return self.token_keys(prompt)
         if self._tokenizer is not None:
             return self.token_keys(self._tokenizer.encode(prompt))
         if self.mode == "backend" and self._remote is not None:
-            query: dict[str, Any] = (
-                {"messages": chat_messages(body), "add_generation_prompt": True}
-                if chat
-                else {"prompt": prompt}
-            )
-            if "model" in body:
-                query["model"] = body["model"]
-            ids = await self._remote(query)
-            if ids is not None:
-                return self.token_keys(ids)
+            return None
+        return approx_keys(prompt, self.block_size)
+
+    async def remote_keys(self, body: dict[str, Any], chat: bool) -> tuple[Keys, int]:
+        """Keys of a text prompt from the backend's ``/tokenize`` (``approx`` when it fails)."""
+        prompt = request_prompt(body, chat)
+        assert isinstance(prompt, str) and self._remote is not None
+        query: dict[str, Any] = (
+            {"messages": chat_messages(body), "add_generation_prompt": True}
+            if chat
+            else {"prompt": prompt}
+        )
+        if "model" in body:
+            query["model"] = body["model"]
+        ids = await self._remote(query)
+        if ids is not None:
+            return self.token_keys(ids)
         return approx_keys(prompt, self.block_size)
 
 

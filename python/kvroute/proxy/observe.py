@@ -99,10 +99,19 @@ class BackendMetrics:
 class ProxyMetrics:
     """The proxy's registry (see the module doc)."""
 
-    def __init__(self, policy: str, router: kvroute.Router, urls: Callable[[], list[str]]) -> None:
+    def __init__(
+        self,
+        policy: str,
+        router: kvroute.Router,
+        urls: Callable[[], list[str]],
+        python_path: bool = True,
+    ) -> None:
+        """``python_path``: the counters below are the registry's (the native data path
+        registers a collector of its own counters under the same names instead)."""
         self.policy = policy
-        self.registry = reg = CollectorRegistry(auto_describe=True)
-        reg.register(_RouterCollector(router, urls))
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_RouterCollector(router, urls))
+        reg = self.registry if python_path else None
         b = ["backend"]
         self.decisions = Counter(
             "kvroute_proxy_decisions",

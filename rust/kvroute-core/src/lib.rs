@@ -8,6 +8,7 @@
 //! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
 //! - [`router`]: the request state machine that ties them together.
 //! - [`ceilings`]: APC ceilings of a whole trace (parallel, rayon).
+//! - [`relay`]: the proxy's compiled data path (HTTP/1.1 relay, a thread per connection).
 //! - [`sim`]: the cluster simulator (engines, dispatch, sweeps) around the router.
 //!
 //! The rules are those of the project's semantics page (`docs/semantics.md`).
@@ -23,6 +24,8 @@ pub mod lru;
 pub mod picker;
 pub mod policy;
 pub mod prompt_scan;
+#[cfg(unix)]
+pub mod relay;
 pub mod rng;
 pub mod router;
 pub mod sim;

@@ -298,6 +298,11 @@ impl Router {
         Ok(())
     }
 
+    /// Whether `instance` takes part in picks (false for an index out of range).
+    pub fn is_available(&self, instance: usize) -> bool {
+        self.loads.get(instance).is_some_and(|l| l.available)
+    }
+
     /// Add an available instance with an empty cache; returns its index.
     pub fn add_instance(&mut self) -> usize {
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });

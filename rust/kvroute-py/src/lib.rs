@@ -1,5 +1,5 @@
 //! `kvroute._core`: the PyO3 bindings of kvroute-core. One small file per exposed piece:
-//! [`router`] (the `Router` class), [`keys`] (key functions), [`convert`] (argument
+//! [`router`] (the `Router` class), `relay` (the proxy's compiled data path), [`keys`] (key functions), [`convert`] (argument
 //! conversion), [`ceilings`] (trace ceilings over Arrow input), [`sim`] (the simulator and
 //! `EngineModel`), [`worker`] (interruptible long work)
 //! and [`errors`] (exception mapping).
@@ -8,6 +8,8 @@ mod ceilings;
 mod convert;
 mod errors;
 mod keys;
+#[cfg(unix)]
+mod relay;
 mod router;
 mod sim;
 mod worker;
@@ -23,6 +25,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keys::policies, m)?)?;
     m.add_function(wrap_pyfunction!(keys::prompt_ids, m)?)?;
     m.add_function(wrap_pyfunction!(ceilings::ceilings, m)?)?;
+    #[cfg(unix)]
+    m.add_class::<relay::PyRelay>()?;
     m.add_class::<sim::engine_model::PyEngineModel>()?;
     m.add_function(wrap_pyfunction!(sim::simulate_runs, m)?)?;
     m.add_function(wrap_pyfunction!(sim::engine_params, m)?)?;

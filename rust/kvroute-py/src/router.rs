@@ -1,8 +1,8 @@
 //! `kvroute.Router`: the core router behind a mutex, so one instance can be shared by
-//! several Python threads. Each call holds the lock for one O(keys + instances) step and
+//! several Python threads and the relay's threads. Each call holds the lock for one O(keys + instances) step and
 //! never releases the GIL while holding it, so lock order is always GIL → router.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvroute_core::{Policy, PolicyParams, Router, RouterConfig};
 use pyo3::prelude::*;
@@ -14,10 +14,15 @@ use crate::errors::{invalid, to_py};
 /// A KV-cache-aware router over `num_instances` engines (see the `kvroute` docs).
 #[pyclass(frozen, name = "Router", module = "kvroute._core")]
 pub struct PyRouter {
-    inner: Mutex<Router>,
+    inner: Arc<Mutex<Router>>,
 }
 
 impl PyRouter {
+    /// The router itself, for the relay's threads (which lock it without the GIL).
+    pub fn shared(&self) -> Arc<Mutex<Router>> {
+        Arc::clone(&self.inner)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Router> {
         // A panic inside the core cannot leave the counters half-updated in a way later
         // calls could not tolerate, so a poisoned lock is still usable.
@@ -74,7 +79,7 @@ impl PyRouter {
             },
         };
         let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
-        Ok(Self { inner: Mutex::new(router) })
+        Ok(Self { inner: Arc::new(Mutex::new(router)) })
     }
 
     /// Pick an instance for a request and count it there; returns the instance index.

@@ -1,0 +1,372 @@
+//! One generation request: key it, route it, send it, relay the answer, and close the
+//! router's lifecycle for it whatever happens (the rules of the Python forwarder,
+//! `kvroute.proxy.handler`, which the proxy's docs describe).
+//!
+//! `route` when the request is sent, `first_token` at the first streamed body bytes, `finish`
+//! when the request's guard drops (success, error, client gone, panic). An attempt that
+//! fails to connect or gets a 5xx answer before any byte reached the client is finished and
+//! retried on the next choice, the failed backends hidden from the router for that one
+//! decision; a stalled backend gives 504 without retry; a failure mid-stream ends the
+//! client's stream with an error event; a client that hangs up drops the upstream connection
+//! (vLLM then aborts the request). A kept-alive connection that turns out closed before a
+//! byte of answer is replaced once.
+//!
+//! Per request: one hook call for the keys, O(keys + instances) under the router lock per
+//! attempt, O(bytes) for the relay; runs on the connection's thread.
+
+use std::sync::atomic::Ordering;
+
+use super::front::{error_json, upstream_request, watch, without, Down, Request, DROP, HOP};
+use super::log::{Record, Terms};
+use super::stats::{BackendStats, ErrorKind};
+use super::upstream::{Exchange, ReadError};
+use super::{lock, Backend, Keyed, Shared};
+use crate::{Decision, Error, Id};
+
+const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
+const TAIL: usize = 2048;
+
+/// An attempt that failed before any byte reached the client.
+struct Fail {
+    kind: ErrorKind,
+    status: u16,
+    message: String,
+    retry: bool,
+    /// A 5xx answer to pass on as it came, with its headers.
+    answer: Option<(Vec<u8>, Vec<(String, String)>)>,
+}
+
+impl Fail {
+    fn new(kind: ErrorKind, status: u16, message: String, retry: bool) -> Self {
+        Self { kind, status, message, retry, answer: None }
+    }
+
+    fn of(b: usize, e: &ReadError) -> Self {
+        match e {
+            ReadError::Timeout => Fail::new(ErrorKind::Timeout, 504, format!("backend {b} timed out"), false),
+            e => Fail::new(ErrorKind::Connect, 502, format!("backend {b} failed: {e}"), true),
+        }
+    }
+
+    fn answer(&self, down: &mut Down<'_>) {
+        if let Some((body, headers)) = &self.answer {
+            let headers: Vec<_> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            down.send(self.status, &headers, body, None);
+            return;
+        }
+        let kind = if self.status == 504 { "gateway_timeout" } else { "bad_gateway" };
+        down.send_json(self.status, &error_json(&self.message, kind, self.status));
+    }
+}
+
+enum Outcome {
+    Fail(Fail),
+    ClientGone,
+}
+
+impl From<Fail> for Outcome {
+    fn from(f: Fail) -> Self {
+        Outcome::Fail(f)
+    }
+}
+
+/// Finishes the request in the router when dropped.
+struct Finish<'a>(&'a Shared, Id);
+
+impl Drop for Finish<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.router).finish(&self.1);
+    }
+}
+
+/// Forward one generation request and answer it.
+pub(super) fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: &mut Vec<u8>, chat: bool) {
+    let keyed = match sh.hooks.key(&req.body, chat, req.head.get(&sh.config.session_header)) {
+        Ok(k) => k,
+        Err(refusal) => {
+            if refusal.status == 400 {
+                sh.stats.error(ErrorKind::BadRequest);
+            }
+            down.send_json(refusal.status, &refusal.body);
+            return;
+        }
+    };
+    let _slot = sh.forwarding_slot();
+    let number = sh.next_request.fetch_add(1, Ordering::Relaxed);
+    let rid = Id::Int(number);
+    let _finish = Finish(sh, rid.clone());
+    let headers = without(&req.head.headers, &HOP);
+    let mut tried: Vec<usize> = Vec::new();
+    let mut fail: Option<Fail> = None;
+    for attempt in 0..=sh.config.retries {
+        let (decision, terms) = match route(sh, &rid, &keyed, &tried) {
+            Ok(routed) => routed,
+            Err(Error::NoInstanceAvailable) => {
+                if let Some(f) = &fail {
+                    f.answer(down);
+                } else {
+                    sh.stats.error(ErrorKind::NoBackend);
+                    down.send_json(503, &error_json("no backend is available", "service_unavailable", 503));
+                }
+                return;
+            }
+            Err(e) => {
+                sh.hooks.log_error(&format!("routing failed: {e}"));
+                down.send_json(500, &error_json("internal proxy error", "internal_error", 500));
+                return;
+            }
+        };
+        if attempt == 0 {
+            sh.stats.routing.observe(req.t0.elapsed());
+        }
+        let i = decision.instance;
+        let Some(b) = sh.backends.get(i) else {
+            sh.hooks.log_error(&format!("router instance {i} has no backend"));
+            down.send_json(500, &error_json("internal proxy error", "internal_error", 500));
+            return;
+        };
+        let bs = sh.stats.backend(i);
+        bs.decision(decision.branch, decision.hit_tokens);
+        if let (Some(log), Some(terms)) = (&sh.log, terms) {
+            let session = keyed.session.as_ref();
+            let input_length = keyed.input_length;
+            log.write(&Record {
+                request: number,
+                session,
+                attempt,
+                decision: &decision,
+                backend: &b.url,
+                input_length,
+                terms,
+            });
+        }
+        let a = Attempt { sh, req, b: &b, bs: &bs, decision: &decision, rid: &rid };
+        match a.run(&headers, keyed.stream, down, pending) {
+            Ok(()) => return,
+            Err(Outcome::ClientGone) => {
+                sh.stats.error(ErrorKind::ClientDisconnect);
+                down.gone = true;
+                return;
+            }
+            Err(Outcome::Fail(f)) => {
+                lock(&sh.router).finish(&rid);
+                bs.error(f.kind);
+                failure(sh, i, &b);
+                tried.push(i);
+                if f.retry && attempt < sh.config.retries {
+                    bs.retries.fetch_add(1, Ordering::Relaxed);
+                    fail = Some(f);
+                    continue;
+                }
+                f.answer(down);
+                return;
+            }
+        }
+    }
+}
+
+/// Route, with the backends already tried hidden for this one decision; the score terms
+/// before it when the decision log wants them.
+fn route(sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> crate::Result<(Decision, Option<Terms>)> {
+    let mut router = lock(&sh.router);
+    let terms = sh.log.as_ref().map(|_| Terms::read(&router, &k.keys, k.input_length));
+    let hidden: Vec<usize> = tried.iter().copied().filter(|&i| router.is_available(i)).collect();
+    for &i in &hidden {
+        router.set_available(i as i64, false)?;
+    }
+    let decision = router.route(rid.clone(), &k.keys, k.input_length, k.session.as_ref());
+    for &i in &hidden {
+        router.set_available(i as i64, true)?;
+    }
+    Ok((decision?, terms))
+}
+
+fn failure(sh: &Shared, i: usize, b: &Backend) {
+    b.failing.store(true, Ordering::SeqCst);
+    sh.hooks.failure(i);
+}
+
+fn success(sh: &Shared, i: usize, b: &Backend) {
+    if b.failing.swap(false, Ordering::SeqCst) {
+        sh.hooks.success(i);
+    }
+}
+
+/// One attempt on one backend.
+struct Attempt<'a> {
+    sh: &'a Shared,
+    req: &'a Request,
+    b: &'a Backend,
+    bs: &'a BackendStats,
+    decision: &'a Decision,
+    rid: &'a Id,
+}
+
+impl Attempt<'_> {
+    fn run(
+        &self,
+        headers: &[(&str, &str)],
+        stream: bool,
+        down: &mut Down<'_>,
+        pending: &mut Vec<u8>,
+    ) -> Result<(), Outcome> {
+        let (sh, b, i) = (self.sh, self.b, self.decision.instance);
+        let timeout = sh.config.request_timeout;
+        let target = format!("{}{}", b.prefix, self.req.head.target);
+        let data = upstream_request(&self.req.head.method, &target, &b.host, headers, &self.req.body);
+        let mut fresh = false;
+        let (mut ex, head) = loop {
+            let up = sh.pool.acquire(&b.address, fresh).map_err(|e| Fail::of(i, &ReadError::Io(e)))?;
+            let (mut ex, sent) = Exchange::send(up, &data, false);
+            let mut w = watch(sh, down.stream(), pending);
+            match sent.map_err(ReadError::Io).and_then(|()| ex.head(&mut w, timeout)) {
+                Ok(head) => break (ex, head),
+                Err(ReadError::ClientGone) => return Err(Outcome::ClientGone),
+                Err(ReadError::Timeout) => return Err(Fail::of(i, &ReadError::Timeout).into()),
+                Err(_) if ex.reused() && ex.received == 0 && !fresh => fresh = true,
+                Err(e) => return Err(Fail::of(i, &e).into()),
+            }
+        };
+        let mut w = watch(sh, down.stream(), pending);
+        let gone_or_fail = |e: ReadError| match e {
+            ReadError::ClientGone => Outcome::ClientGone,
+            e => Outcome::Fail(Fail::of(i, &e)),
+        };
+        if RETRY_STATUS.contains(&head.status) {
+            let body = ex.whole_body(&mut w, timeout).map_err(gone_or_fail)?;
+            ex.finish(&sh.pool);
+            let mut f = Fail::new(ErrorKind::Status, head.status, String::new(), true);
+            let relayed = without(&head.headers, &DROP)
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                .collect();
+            f.answer = Some((body, relayed));
+            return Err(f.into());
+        }
+        let extra = [
+            ("X-Kvroute-Instance", i.to_string()),
+            ("X-Kvroute-Backend", b.url.clone()),
+            ("X-Kvroute-Hit-Tokens", self.decision.hit_tokens.to_string()),
+        ];
+        let mut answer = without(&head.headers, &DROP);
+        answer.extend(extra.iter().map(|(k, v)| (*k, v.as_str())));
+        if !(stream && head.status == 200) {
+            let body = ex.whole_body(&mut w, timeout).map_err(gone_or_fail)?;
+            ex.finish(&sh.pool);
+            success(sh, i, b);
+            self.usage(&body);
+            self.bs.e2e.observe(self.req.t0.elapsed());
+            down.send(head.status, &answer, &body, None);
+            return Ok(());
+        }
+        let mut piece = Vec::new();
+        let mut done = ex.body(&mut w, timeout, &mut piece).map_err(gone_or_fail)?;
+        if piece.is_empty() {
+            return Err(Fail::new(
+                ErrorKind::Connect,
+                502,
+                format!("backend {i} sent an empty stream"),
+                true,
+            )
+            .into());
+        }
+        lock(&sh.router).first_token(self.rid);
+        self.bs.ttft.observe(self.req.t0.elapsed());
+        success(sh, i, b);
+        down.start(200, &answer, &piece);
+        let mut tail = Tail::default();
+        tail.push(&piece);
+        while !done && !down.gone {
+            piece.clear();
+            match ex.body(&mut w, timeout, &mut piece) {
+                Ok(end) => {
+                    done = end;
+                    down.write(&piece, end);
+                    tail.push(&piece);
+                }
+                Err(ReadError::ClientGone) => return Err(Outcome::ClientGone),
+                Err(e) => {
+                    self.midstream(&e, down);
+                    return Ok(());
+                }
+            }
+        }
+        if down.gone {
+            return Err(Outcome::ClientGone);
+        }
+        down.write(&[], true);
+        ex.finish(&sh.pool);
+        self.usage(&tail.0);
+        self.bs.e2e.observe(self.req.t0.elapsed());
+        Ok(())
+    }
+
+    fn midstream(&self, e: &ReadError, down: &mut Down<'_>) {
+        let i = self.decision.instance;
+        let timeout = matches!(e, ReadError::Timeout);
+        self.bs.error(if timeout { ErrorKind::Timeout } else { ErrorKind::Midstream });
+        failure(self.sh, i, self.b);
+        let what = if timeout { "timed out".to_string() } else { format!("failed: {e}") };
+        let err = error_json(&format!("backend {i} {what} mid-stream"), "bad_gateway", 502);
+        let mut event = b"data: ".to_vec();
+        event.extend_from_slice(&err);
+        event.extend_from_slice(b"\n\n");
+        down.write(&event, true);
+    }
+
+    fn usage(&self, data: &[u8]) {
+        if let Some(n) = last_number(data, b"\"cached_tokens\"") {
+            self.bs.reported.fetch_add(n, Ordering::Relaxed);
+        }
+        if let Some(n) = last_number(data, b"\"prompt_tokens\"") {
+            self.bs.prompt.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The last bytes of a stream (where its usage is).
+#[derive(Default)]
+struct Tail(Vec<u8>);
+
+impl Tail {
+    fn push(&mut self, data: &[u8]) {
+        self.0.extend_from_slice(data);
+        if self.0.len() > 2 * TAIL {
+            self.0.drain(..self.0.len() - TAIL);
+        }
+    }
+}
+
+/// The number of the last `key : digits` in `data` (JSON whitespace allowed around `:`).
+fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
+    let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+    let mut found = None;
+    let mut from = 0;
+    while let Some(at) = data[from..].windows(key.len()).position(|w| w == key) {
+        let mut rest = &data[from + at + key.len()..];
+        from += at + 1;
+        while rest.first().is_some_and(ws) {
+            rest = &rest[1..];
+        }
+        let Some(rest) = rest.strip_prefix(b":") else { continue };
+        let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
+        let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+        if let Ok(n) = std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse() {
+            found = Some(n);
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_number;
+
+    #[test]
+    fn usage_numbers_are_the_last_ones() {
+        let data = br#"{"usage":{"prompt_tokens": 12,"prompt_tokens_details":{"cached_tokens" : 8}}} {"cached_tokens":9}"#;
+        assert_eq!(last_number(data, br#""cached_tokens""#), Some(9));
+        assert_eq!(last_number(data, br#""prompt_tokens""#), Some(12));
+        assert_eq!(last_number(b"\"cached_tokens\": x", br#""cached_tokens""#), None);
+    }
+}

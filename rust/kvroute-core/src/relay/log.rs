@@ -1,0 +1,107 @@
+//! The relay's JSONL decision log: one object per routing decision (request, session,
+//! attempt, instance, backend, branch, input length, estimated hit, new prefill, and per
+//! instance the score terms seen just before the decision), in the same shape as the Python
+//! data path writes.
+//!
+//! Lines are buffered and written out at least once a second (on the next decision, or by
+//! [`DecisionLog::flush`]). O(instances) per decision; shared by all connection threads
+//! behind one mutex.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::front::json_str;
+use crate::{Decision, Id, Router};
+
+/// Per-instance score terms before a decision.
+pub(super) struct Terms(Vec<u8>);
+
+impl Terms {
+    /// Read off `router` for a request of `keys` and `input_length` tokens.
+    pub fn read(router: &Router, keys: &[u64], input_length: u64) -> Terms {
+        let hits = router.estimate_cache_hits(keys, input_length);
+        let mut out = b"[".to_vec();
+        for (i, (hit, st)) in hits.iter().zip(router.state()).enumerate() {
+            let new = input_length.saturating_sub(*hit);
+            let load = st.load;
+            let pending = load.pending_prefill_tokens;
+            if i > 0 {
+                out.push(b',');
+            }
+            let _ = write!(
+                out,
+                "{{\"instance\":{i},\"available\":{},\"hit_tokens\":{hit},\"new_prefill\":{new},\
+                 \"pending_prefill_tokens\":{pending},\"num_requests\":{},\"lmetric_score\":{}}}",
+                load.available,
+                load.num_requests,
+                (pending + new).saturating_mul(load.num_requests)
+            );
+        }
+        out.push(b']');
+        Terms(out)
+    }
+}
+
+/// One decision to log.
+pub(super) struct Record<'a> {
+    pub request: i64,
+    pub session: Option<&'a Id>,
+    pub attempt: usize,
+    pub decision: &'a Decision,
+    pub backend: &'a str,
+    pub input_length: u64,
+    pub terms: Terms,
+}
+
+/// The log file (see the module doc).
+pub(super) struct DecisionLog {
+    out: Mutex<(BufWriter<File>, Instant)>,
+}
+
+impl DecisionLog {
+    /// Append to `path` (created with its folders).
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self { out: Mutex::new((BufWriter::with_capacity(1 << 20, file), Instant::now())) })
+    }
+
+    pub fn write(&self, r: &Record<'_>) {
+        let d = r.decision;
+        let mut line = format!("{{\"request\":{},\"session\":", r.request).into_bytes();
+        match r.session {
+            None => line.extend_from_slice(b"null"),
+            Some(Id::Int(i)) => line.extend_from_slice(i.to_string().as_bytes()),
+            Some(Id::Str(s)) => json_str(s, true, &mut line),
+        }
+        let _ = write!(line, ",\"attempt\":{},\"instance\":{},\"backend\":", r.attempt, d.instance);
+        json_str(r.backend, true, &mut line);
+        let _ = write!(
+            line,
+            ",\"branch\":\"{}\",\"input_length\":{},\"estimated_hit_tokens\":{},\"new_prefill\":{},\"terms\":",
+            d.branch.name(),
+            r.input_length,
+            d.hit_tokens,
+            d.new_prefill
+        );
+        line.extend_from_slice(&r.terms.0);
+        line.extend_from_slice(b"}\n");
+        let mut out = super::lock(&self.out);
+        let _ = out.0.write_all(&line);
+        if out.1.elapsed() >= Duration::from_secs(1) {
+            let _ = out.0.flush();
+            out.1 = Instant::now();
+        }
+    }
+
+    pub fn flush(&self) {
+        let mut out = super::lock(&self.out);
+        let _ = out.0.flush();
+        out.1 = Instant::now();
+    }
+}

@@ -1,0 +1,259 @@
+//! `kvroute._core.Relay`: the proxy's compiled data path (`kvroute_core::relay`) behind a
+//! Python class. The Python proxy binds the listening socket, runs the control plane (the
+//! side application, health checks, admin), and hands the relay a `hooks` object whose
+//! methods the relay's threads call with the GIL: `key(body, chat, session_header)` →
+//! `(keys, input_length, stream, session)` or `(status, error_body)`; `failure(index)`;
+//! `success(index)`; `log_error(message)`.
+//!
+//! Thread-safety: the relay's threads never hold the router lock while they wait for the
+//! GIL (lock order GIL → router, as in `router.rs`); `stop` waits without the GIL.
+
+use std::net::TcpListener;
+use std::os::unix::io::FromRawFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_core::relay::io::Address;
+use kvroute_core::relay::stats::{ErrorKind, Stats};
+use kvroute_core::relay::stats::{Histogram, BRANCHES};
+use kvroute_core::relay::{Backend, Backends, Hooks, Keyed, Refusal, Relay, RelayConfig};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::convert::{keys, optional_id};
+use crate::errors::invalid;
+use crate::router::PyRouter;
+
+struct PyHooks(Py<PyAny>);
+
+const INTERNAL: &[u8] =
+    br#"{"error":{"message":"internal proxy error","type":"internal_error","param":null,"code":500}}"#;
+
+impl PyHooks {
+    fn call_key(
+        &self,
+        py: Python<'_>,
+        body: &[u8],
+        chat: bool,
+        header: Option<&str>,
+    ) -> PyResult<Result<Keyed, Refusal>> {
+        let got = self.0.bind(py).call_method1("key", (PyBytes::new(py, body), chat, header))?;
+        let got = got.cast::<PyTuple>()?;
+        if got.len() == 2 {
+            let status: u16 = got.get_item(0)?.extract()?;
+            let body: Vec<u8> = got.get_item(1)?.extract()?;
+            return Ok(Err(Refusal { status, body }));
+        }
+        let k = keys(&got.get_item(0)?, "keys")?;
+        Ok(Ok(Keyed {
+            keys: k.as_slice().to_vec(),
+            input_length: got.get_item(1)?.extract()?,
+            stream: got.get_item(2)?.extract()?,
+            session: optional_id(Some(&got.get_item(3)?), "session")?,
+        }))
+    }
+
+    fn call(&self, method: &str, arg: impl for<'py> IntoPyObject<'py>) {
+        Python::attach(|py| {
+            if let Err(e) = self.0.bind(py).call_method1(method, (arg,)) {
+                e.write_unraisable(py, None);
+            }
+        });
+    }
+}
+
+impl Hooks for PyHooks {
+    fn key(&self, body: &[u8], chat: bool, session_header: Option<&str>) -> Result<Keyed, Refusal> {
+        Python::attach(|py| {
+            self.call_key(py, body, chat, session_header).unwrap_or_else(|e| {
+                e.write_unraisable(py, None);
+                Err(Refusal { status: 500, body: INTERNAL.to_vec() })
+            })
+        })
+    }
+
+    fn failure(&self, index: usize) {
+        self.call("failure", index);
+    }
+
+    fn success(&self, index: usize) {
+        self.call("success", index);
+    }
+
+    fn log_error(&self, message: &str) {
+        self.call("log_error", message);
+    }
+}
+
+/// The compiled data path of `kvroute proxy` (see the module doc).
+#[pyclass(frozen, name = "Relay", module = "kvroute._core")]
+pub struct PyRelay {
+    relay: Mutex<Option<Relay>>,
+    backends: Arc<Backends>,
+    stats: Arc<Stats>,
+}
+
+fn seconds(py: Python<'_>, value: f64, name: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| invalid(py, format!("{name} must be positive, got {value}")))
+}
+
+/// `(scheme, host, port)` as the Python side writes addresses; scheme `http` or `unix`
+/// (host: the socket path).
+fn address(py: Python<'_>, (scheme, host, port): (String, String, u16), what: &str) -> PyResult<Address> {
+    match scheme.as_str() {
+        "http" => Ok(Address::Tcp(host, port)),
+        "unix" => Ok(Address::Unix(PathBuf::from(host))),
+        other => Err(invalid(py, format!("the native data path cannot reach {other}:// ({what})"))),
+    }
+}
+
+fn histogram<'py>(py: Python<'py>, h: &Histogram) -> PyResult<Bound<'py, PyTuple>> {
+    let (counts, sum) = h.read();
+    PyTuple::new(py, [counts.into_pyobject(py)?.into_any(), sum.into_pyobject(py)?.into_any()])
+}
+
+fn errors<'py>(py: Python<'py>, counts: &[std::sync::atomic::AtomicU64]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (kind, c) in ErrorKind::ALL.iter().zip(counts) {
+        d.set_item(kind.name(), c.load(std::sync::atomic::Ordering::Relaxed))?;
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl PyRelay {
+    #[new]
+    #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
+        max_concurrency, retries, session_header, decision_log = None, idle_timeout_s = 75.0,
+        upstream_idle_timeout_s = 30.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        listen_fd: i32,
+        router: &PyRouter,
+        side: (String, String, u16),
+        hooks: Py<PyAny>,
+        max_body: usize,
+        request_timeout_s: f64,
+        connect_timeout_s: f64,
+        max_concurrency: usize,
+        retries: usize,
+        session_header: &str,
+        decision_log: Option<PathBuf>,
+        idle_timeout_s: f64,
+        upstream_idle_timeout_s: f64,
+    ) -> PyResult<Self> {
+        if listen_fd < 0 {
+            return Err(invalid(py, format!("listen_fd must be a file descriptor, got {listen_fd}")));
+        }
+        if max_concurrency == 0 || max_body == 0 {
+            return Err(invalid(py, "max_body and max_concurrency must be at least 1".into()));
+        }
+        let config = RelayConfig {
+            max_body,
+            request_timeout: seconds(py, request_timeout_s, "request_timeout_s")?,
+            connect_timeout: seconds(py, connect_timeout_s, "connect_timeout_s")?,
+            idle_timeout: seconds(py, idle_timeout_s, "idle_timeout_s")?,
+            upstream_idle_timeout: seconds(py, upstream_idle_timeout_s, "upstream_idle_timeout_s")?,
+            max_concurrency,
+            retries,
+            session_header: session_header.to_ascii_lowercase(),
+            side: address(py, side, "the side application")?,
+            decision_log,
+        };
+        // SAFETY: the caller hands over a listening socket it no longer uses (socket.detach()).
+        let listener = unsafe { TcpListener::from_raw_fd(listen_fd) };
+        let backends = Arc::new(Backends::default());
+        let hooks: Arc<dyn Hooks> = Arc::new(PyHooks(hooks));
+        let relay = Relay::start(listener, config, router.shared(), Arc::clone(&backends), hooks)
+            .map_err(|e| invalid(py, format!("cannot start the relay: {e}")))?;
+        let stats = relay.stats();
+        Ok(Self { relay: Mutex::new(Some(relay)), backends, stats })
+    }
+
+    /// Where backend `index` (router instance `index`) is: `address` is `(scheme, host,
+    /// port)`, scheme `http` or `unix` (host: the socket path).
+    fn set_backend(
+        &self,
+        py: Python<'_>,
+        index: usize,
+        url: String,
+        address: (String, String, u16),
+        host: String,
+        prefix: String,
+    ) -> PyResult<()> {
+        let (scheme, where_, port) = address;
+        let address = match scheme.as_str() {
+            "http" => Address::Tcp(where_, port),
+            "unix" => Address::Unix(PathBuf::from(where_)),
+            other => {
+                return Err(invalid(
+                    py,
+                    format!("the native data path cannot reach {other}:// backends ({url})"),
+                ))
+            }
+        };
+        let failing = false.into();
+        self.backends.set(index, Backend { url, address, host, prefix, failing });
+        Ok(())
+    }
+
+    /// Mark backend `index` as having failures that a successful request should clear.
+    fn set_failing(&self, index: usize, failing: bool) {
+        if let Some(b) = self.backends.get(index) {
+            b.failing.store(failing, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// The counters: `{"backends": [per index: {"decisions": {branch: n}, "estimated",
+    /// "reported", "prompt", "retries", "errors": {kind: n}, "ttft": (counts, sum), "e2e"}],
+    /// "errors": {kind: n}, "routing": (counts, sum)}`; histogram counts are per bucket, the
+    /// last one above every bound.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let out = PyDict::new(py);
+        let mut backends = Vec::new();
+        for b in self.stats.snapshot() {
+            let d = PyDict::new(py);
+            let decisions = PyDict::new(py);
+            for (branch, c) in BRANCHES.iter().zip(&b.decisions) {
+                decisions.set_item(branch.name(), c.load(Relaxed))?;
+            }
+            d.set_item("decisions", decisions)?;
+            d.set_item("estimated", b.estimated.load(Relaxed))?;
+            d.set_item("reported", b.reported.load(Relaxed))?;
+            d.set_item("prompt", b.prompt.load(Relaxed))?;
+            d.set_item("retries", b.retries.load(Relaxed))?;
+            d.set_item("errors", errors(py, &b.errors)?)?;
+            d.set_item("ttft", histogram(py, &b.ttft)?)?;
+            d.set_item("e2e", histogram(py, &b.e2e)?)?;
+            backends.push(d);
+        }
+        out.set_item("backends", backends)?;
+        out.set_item("errors", errors(py, &self.stats.errors)?)?;
+        out.set_item("routing", histogram(py, &self.stats.routing)?)?;
+        Ok(out)
+    }
+
+    /// Write out the decision log's buffer.
+    fn flush_log(&self) {
+        if let Some(r) = self.relay.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            r.flush_log();
+        }
+    }
+
+    /// Stop: no new connections; requests being answered get `grace_s` seconds, then every
+    /// connection closes. Idempotent.
+    #[pyo3(signature = (grace_s = 5.0))]
+    fn stop(&self, py: Python<'_>, grace_s: f64) {
+        let taken = self.relay.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(mut relay) = taken {
+            let grace = Duration::try_from_secs_f64(grace_s).unwrap_or(Duration::ZERO);
+            py.detach(move || relay.stop(grace));
+        }
+    }
+}
