@@ -229,15 +229,21 @@ def compare(
     concurrency: tuple[int, ...] = CONCURRENCY,
     baseline: str | None = None,
     client: str = "aiohttp",
+    python_path: bool = False,
 ) -> list[dict[str, Any]]:
     """Direct and proxied phases, alternating, at each concurrency (closed loop) and each
     rate (open loop); one row per load. ``baseline``: the Python tree of another kvroute
     whose proxy runs beside this one, in its own phases (``baseline_*`` columns).
+    ``python_path``: this checkout's proxy on its asyncio data path too (``python_*``).
     ``client``: the harness's HTTP client (``aiohttp`` or ``raw``)."""
     from kvroute.proxy.serving import new_event_loop
 
     engine, engine_url = spawn("engine", "--preset", "fast")
     proxies = {"proxy": spawn("proxy", "--backend", engine_url, "--policy", "unified")}
+    if python_path:
+        proxies["python"] = spawn(
+            "proxy", "--backend", engine_url, "--policy", "unified", "--data-path", "python"
+        )
     if baseline is not None:
         proxies["baseline"] = spawn(
             "proxy", "--backend", engine_url, "--policy", "unified", source=baseline
@@ -288,7 +294,7 @@ def compare(
 
 
 def table(rows: list[dict[str, Any]], mode: str = "proxy") -> str:
-    """The results of ``mode`` (``proxy`` or ``baseline``) as a Markdown table."""
+    """The results of ``mode`` (``proxy``, ``python`` or ``baseline``) as a Markdown table."""
     pre = "" if mode == "proxy" else f"{mode}_"
     head = (
         "| load | direct req/s | proxy req/s | direct p50 / p99 (ms) | proxy p50 / p99 (ms) "
@@ -387,6 +393,12 @@ def main() -> None:
         help="the python/ directory of another kvroute checkout: its proxy is measured in the "
         "same run, in phases of its own",
     )
+    parser.add_argument(
+        "--python-path",
+        action="store_true",
+        help="also measure the proxy on its asyncio data path (--data-path python), in the "
+        "same run, in phases of its own",
+    )
     args = parser.parse_args()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -402,8 +414,15 @@ def main() -> None:
         f"CPU per request, one loop: direct {cpu['direct']:.0f} µs, bare aiohttp relay "
         f"+{relay:.0f} µs, kvroute proxy +{ours:.0f} µs\n"
     )
-    rows = compare(seconds=args.seconds, baseline=args.baseline, client=args.client)
+    rows = compare(
+        seconds=args.seconds,
+        baseline=args.baseline,
+        client=args.client,
+        python_path=args.python_path,
+    )
     print(table(rows))
+    if args.python_path:
+        print("\npython data path:\n\n" + table(rows, "python"))
     if args.baseline:
         print(f"\nbaseline ({args.baseline}):\n\n" + table(rows, "baseline"))
 

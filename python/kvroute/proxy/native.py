@@ -1,12 +1,12 @@
 """The proxy's compiled data path (``data_path="native"``, the default on Unix).
 
-``kvroute._core.Relay`` serves the proxy's port from Rust threads, one per client
-connection: it reads requests, forwards ``POST /v1/completions`` and ``POST
+``kvroute._core.Relay`` serves the proxy's port from one Rust thread (an event
+loop of its own, off the GIL): it reads requests, forwards ``POST /v1/completions`` and ``POST
 /v1/chat/completions`` (routing each with the shared :class:`kvroute.Router`, relaying the
 answer chunk by chunk, retrying and failing as :mod:`.handler` does), and relays every other
 request to the proxy's side application (health, metrics, models, tokenize, admin), which
 stays in Python on the event loop. What it needs from Python it asks through
-:class:`RelayHooks`, with the GIL, from its own threads: the keys of a body (the same
+:class:`RelayHooks`, with the GIL, from its own thread: the keys of a body (the same
 :class:`~kvroute.proxy.keys.Keyer` as the Python path; ``backend`` mode runs its round-trip on
 the event loop), and a backend's failures and recoveries (applied to the
 :class:`~kvroute.proxy.backends.BackendPool` on the event loop). Its counters are read at
@@ -64,6 +64,8 @@ class RelayHooks:
     ) -> None:
         self.keyer, self.pool, self.loop = keyer, pool, loop
         self.session_field = session_field
+        #: ``key`` may wait for a backend's ``/tokenize``: the relay calls it off its loop.
+        self.key_may_block = keyer.mode == "backend"
 
     def key(self, raw: bytes, chat: bool, header: str | None) -> tuple[Any, ...]:
         """``(keys, input_length, stream, session)``, or ``(400, error body)``."""

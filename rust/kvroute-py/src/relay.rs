@@ -3,10 +3,11 @@
 //! side application, health checks, admin), and hands the relay a `hooks` object whose
 //! methods the relay's threads call with the GIL: `key(body, chat, session_header)` →
 //! `(keys, input_length, stream, session)` or `(status, error_body)`; `failure(index)`;
-//! `success(index)`; `log_error(message)`.
+//! `success(index)`; `log_error(message)`; and its attribute `key_may_block` says whether
+//! `key` may wait on the network (it then runs on a thread of its own).
 //!
-//! Thread-safety: the relay's threads never hold the router lock while they wait for the
-//! GIL (lock order GIL → router, as in `router.rs`); `stop` waits without the GIL.
+//! Thread-safety: the relay's thread never holds the router lock while it waits for the GIL
+//! (lock order GIL → router, as in `router.rs`); `stop` waits without the GIL.
 
 use std::net::TcpListener;
 use std::os::unix::io::FromRawFd;
@@ -25,7 +26,10 @@ use crate::convert::{keys, optional_id};
 use crate::errors::invalid;
 use crate::router::PyRouter;
 
-struct PyHooks(Py<PyAny>);
+struct PyHooks {
+    hooks: Py<PyAny>,
+    key_may_block: bool,
+}
 
 const INTERNAL: &[u8] =
     br#"{"error":{"message":"internal proxy error","type":"internal_error","param":null,"code":500}}"#;
@@ -38,7 +42,7 @@ impl PyHooks {
         chat: bool,
         header: Option<&str>,
     ) -> PyResult<Result<Keyed, Refusal>> {
-        let got = self.0.bind(py).call_method1("key", (PyBytes::new(py, body), chat, header))?;
+        let got = self.hooks.bind(py).call_method1("key", (PyBytes::new(py, body), chat, header))?;
         let got = got.cast::<PyTuple>()?;
         if got.len() == 2 {
             let status: u16 = got.get_item(0)?.extract()?;
@@ -56,7 +60,7 @@ impl PyHooks {
 
     fn call(&self, method: &str, arg: impl for<'py> IntoPyObject<'py>) {
         Python::attach(|py| {
-            if let Err(e) = self.0.bind(py).call_method1(method, (arg,)) {
+            if let Err(e) = self.hooks.bind(py).call_method1(method, (arg,)) {
                 e.write_unraisable(py, None);
             }
         });
@@ -71,6 +75,10 @@ impl Hooks for PyHooks {
                 Err(Refusal { status: 500, body: INTERNAL.to_vec() })
             })
         })
+    }
+
+    fn key_may_block(&self) -> bool {
+        self.key_may_block
     }
 
     fn failure(&self, index: usize) {
@@ -168,7 +176,8 @@ impl PyRelay {
         // SAFETY: the caller hands over a listening socket it no longer uses (socket.detach()).
         let listener = unsafe { TcpListener::from_raw_fd(listen_fd) };
         let backends = Arc::new(Backends::default());
-        let hooks: Arc<dyn Hooks> = Arc::new(PyHooks(hooks));
+        let key_may_block = hooks.bind(py).getattr("key_may_block")?.is_truthy()?;
+        let hooks: Arc<dyn Hooks> = Arc::new(PyHooks { hooks, key_may_block });
         let relay = Relay::start(listener, config, router.shared(), Arc::clone(&backends), hooks)
             .map_err(|e| invalid(py, format!("cannot start the relay: {e}")))?;
         let stats = relay.stats();

@@ -11,16 +11,17 @@
 //! (vLLM then aborts the request). A kept-alive connection that turns out closed before a
 //! byte of answer is replaced once.
 //!
-//! Per request: one hook call for the keys, O(keys + instances) under the router lock per
-//! attempt, O(bytes) for the relay; runs on the connection's thread.
+//! Per request: one hook call for the keys (on the blocking pool when the hooks say it may
+//! take a round-trip), O(keys + instances) under the router lock per attempt, O(bytes) for
+//! the relay; one task per request.
 
 use std::sync::atomic::Ordering;
 
-use super::front::{error_json, upstream_request, watch, without, Down, Request, DROP, HOP};
+use super::front::{error_json, upstream_request, without, Down, Request, DROP, HOP};
 use super::log::{Record, Terms};
 use super::stats::{BackendStats, ErrorKind};
-use super::upstream::{Exchange, ReadError};
-use super::{lock, Backend, Keyed, Shared};
+use super::upstream::{Exchange, ReadError, Watch};
+use super::{lock, Backend, Keyed, Refusal, Shared};
 use crate::{Decision, Error, Id};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
@@ -48,14 +49,14 @@ impl Fail {
         }
     }
 
-    fn answer(&self, down: &mut Down<'_>) {
+    async fn answer(&self, down: &mut Down<'_>) {
         if let Some((body, headers)) = &self.answer {
             let headers: Vec<_> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            down.send(self.status, &headers, body, None);
+            down.send(self.status, &headers, body, None).await;
             return;
         }
         let kind = if self.status == 504 { "gateway_timeout" } else { "bad_gateway" };
-        down.send_json(self.status, &error_json(&self.message, kind, self.status));
+        down.send_json(self.status, &error_json(&self.message, kind, self.status)).await;
     }
 }
 
@@ -80,18 +81,18 @@ impl Drop for Finish<'_> {
 }
 
 /// Forward one generation request and answer it.
-pub(super) fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: &mut Vec<u8>, chat: bool) {
-    let keyed = match sh.hooks.key(&req.body, chat, req.head.get(&sh.config.session_header)) {
+pub(super) async fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, mut w: Watch<'_>, chat: bool) {
+    let keyed = match key(sh, req, chat).await {
         Ok(k) => k,
         Err(refusal) => {
             if refusal.status == 400 {
                 sh.stats.error(ErrorKind::BadRequest);
             }
-            down.send_json(refusal.status, &refusal.body);
+            down.send_json(refusal.status, &refusal.body).await;
             return;
         }
     };
-    let _slot = sh.forwarding_slot();
+    let Ok(_slot) = sh.forwarding.acquire().await else { return };
     let number = sh.next_request.fetch_add(1, Ordering::Relaxed);
     let rid = Id::Int(number);
     let _finish = Finish(sh, rid.clone());
@@ -103,16 +104,17 @@ pub(super) fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: 
             Ok(routed) => routed,
             Err(Error::NoInstanceAvailable) => {
                 if let Some(f) = &fail {
-                    f.answer(down);
+                    f.answer(down).await;
                 } else {
                     sh.stats.error(ErrorKind::NoBackend);
-                    down.send_json(503, &error_json("no backend is available", "service_unavailable", 503));
+                    let body = error_json("no backend is available", "service_unavailable", 503);
+                    down.send_json(503, &body).await;
                 }
                 return;
             }
             Err(e) => {
                 sh.hooks.log_error(&format!("routing failed: {e}"));
-                down.send_json(500, &error_json("internal proxy error", "internal_error", 500));
+                down.send_json(500, &error_json("internal proxy error", "internal_error", 500)).await;
                 return;
             }
         };
@@ -122,7 +124,7 @@ pub(super) fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: 
         let i = decision.instance;
         let Some(b) = sh.backends.get(i) else {
             sh.hooks.log_error(&format!("router instance {i} has no backend"));
-            down.send_json(500, &error_json("internal proxy error", "internal_error", 500));
+            down.send_json(500, &error_json("internal proxy error", "internal_error", 500)).await;
             return;
         };
         let bs = sh.stats.backend(i);
@@ -141,7 +143,7 @@ pub(super) fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: 
             });
         }
         let a = Attempt { sh, req, b: &b, bs: &bs, decision: &decision, rid: &rid };
-        match a.run(&headers, keyed.stream, down, pending) {
+        match a.run(&headers, keyed.stream, down, &mut w).await {
             Ok(()) => return,
             Err(Outcome::ClientGone) => {
                 sh.stats.error(ErrorKind::ClientDisconnect);
@@ -158,11 +160,25 @@ pub(super) fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: 
                     fail = Some(f);
                     continue;
                 }
-                f.answer(down);
+                f.answer(down).await;
                 return;
             }
         }
     }
+}
+
+/// The request's routing inputs, from the hooks (off the event loop when they may block).
+async fn key(sh: &Shared, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
+    let header = req.head.get(&sh.config.session_header);
+    if !sh.hooks.key_may_block() {
+        return sh.hooks.key(&req.body, chat, header);
+    }
+    let (hooks, body, header) = (std::sync::Arc::clone(&sh.hooks), req.body.clone(), header.map(str::to_owned));
+    let keyed = tokio::task::spawn_blocking(move || hooks.key(&body, chat, header.as_deref())).await;
+    keyed.unwrap_or_else(|_| {
+        let body = error_json("internal proxy error", "internal_error", 500);
+        Err(Refusal { status: 500, body })
+    })
 }
 
 /// Route, with the backends already tried hidden for this one decision; the score terms
@@ -203,12 +219,12 @@ struct Attempt<'a> {
 }
 
 impl Attempt<'_> {
-    fn run(
+    async fn run(
         &self,
         headers: &[(&str, &str)],
         stream: bool,
         down: &mut Down<'_>,
-        pending: &mut Vec<u8>,
+        w: &mut Watch<'_>,
     ) -> Result<(), Outcome> {
         let (sh, b, i) = (self.sh, self.b, self.decision.instance);
         let timeout = sh.config.request_timeout;
@@ -216,10 +232,13 @@ impl Attempt<'_> {
         let data = upstream_request(&self.req.head.method, &target, &b.host, headers, &self.req.body);
         let mut fresh = false;
         let (mut ex, head) = loop {
-            let up = sh.pool.acquire(&b.address, fresh).map_err(|e| Fail::of(i, &ReadError::Io(e)))?;
-            let (mut ex, sent) = Exchange::send(up, &data, false);
-            let mut w = watch(sh, down.stream(), pending);
-            match sent.map_err(ReadError::Io).and_then(|()| ex.head(&mut w, timeout)) {
+            let up = sh.pool.acquire(&b.address, fresh).await.map_err(|e| Fail::of(i, &ReadError::Io(e)))?;
+            let (mut ex, sent) = Exchange::send(up, &data, false).await;
+            let head = match sent {
+                Ok(()) => ex.head(w, timeout).await,
+                Err(e) => Err(ReadError::Io(e)),
+            };
+            match head {
                 Ok(head) => break (ex, head),
                 Err(ReadError::ClientGone) => return Err(Outcome::ClientGone),
                 Err(ReadError::Timeout) => return Err(Fail::of(i, &ReadError::Timeout).into()),
@@ -227,13 +246,12 @@ impl Attempt<'_> {
                 Err(e) => return Err(Fail::of(i, &e).into()),
             }
         };
-        let mut w = watch(sh, down.stream(), pending);
         let gone_or_fail = |e: ReadError| match e {
             ReadError::ClientGone => Outcome::ClientGone,
             e => Outcome::Fail(Fail::of(i, &e)),
         };
         if RETRY_STATUS.contains(&head.status) {
-            let body = ex.whole_body(&mut w, timeout).map_err(gone_or_fail)?;
+            let body = ex.whole_body(w, timeout).await.map_err(gone_or_fail)?;
             ex.finish(&sh.pool);
             let mut f = Fail::new(ErrorKind::Status, head.status, String::new(), true);
             let relayed = without(&head.headers, &DROP)
@@ -251,16 +269,16 @@ impl Attempt<'_> {
         let mut answer = without(&head.headers, &DROP);
         answer.extend(extra.iter().map(|(k, v)| (*k, v.as_str())));
         if !(stream && head.status == 200) {
-            let body = ex.whole_body(&mut w, timeout).map_err(gone_or_fail)?;
+            let body = ex.whole_body(w, timeout).await.map_err(gone_or_fail)?;
             ex.finish(&sh.pool);
             success(sh, i, b);
             self.usage(&body);
             self.bs.e2e.observe(self.req.t0.elapsed());
-            down.send(head.status, &answer, &body, None);
+            down.send(head.status, &answer, &body, None).await;
             return Ok(());
         }
         let mut piece = Vec::new();
-        let mut done = ex.body(&mut w, timeout, &mut piece).map_err(gone_or_fail)?;
+        let mut done = ex.body(w, timeout, &mut piece).await.map_err(gone_or_fail)?;
         if piece.is_empty() {
             return Err(Fail::new(
                 ErrorKind::Connect,
@@ -273,20 +291,20 @@ impl Attempt<'_> {
         lock(&sh.router).first_token(self.rid);
         self.bs.ttft.observe(self.req.t0.elapsed());
         success(sh, i, b);
-        down.start(200, &answer, &piece);
+        down.start(200, &answer, &piece).await;
         let mut tail = Tail::default();
         tail.push(&piece);
         while !done && !down.gone {
             piece.clear();
-            match ex.body(&mut w, timeout, &mut piece) {
+            match ex.body(w, timeout, &mut piece).await {
                 Ok(end) => {
                     done = end;
-                    down.write(&piece, end);
+                    down.write(&piece, end).await;
                     tail.push(&piece);
                 }
                 Err(ReadError::ClientGone) => return Err(Outcome::ClientGone),
                 Err(e) => {
-                    self.midstream(&e, down);
+                    self.midstream(&e, down).await;
                     return Ok(());
                 }
             }
@@ -294,14 +312,14 @@ impl Attempt<'_> {
         if down.gone {
             return Err(Outcome::ClientGone);
         }
-        down.write(&[], true);
+        down.write(&[], true).await;
         ex.finish(&sh.pool);
         self.usage(&tail.0);
         self.bs.e2e.observe(self.req.t0.elapsed());
         Ok(())
     }
 
-    fn midstream(&self, e: &ReadError, down: &mut Down<'_>) {
+    async fn midstream(&self, e: &ReadError, down: &mut Down<'_>) {
         let i = self.decision.instance;
         let timeout = matches!(e, ReadError::Timeout);
         self.bs.error(if timeout { ErrorKind::Timeout } else { ErrorKind::Midstream });
@@ -311,7 +329,7 @@ impl Attempt<'_> {
         let mut event = b"data: ".to_vec();
         event.extend_from_slice(&err);
         event.extend_from_slice(b"\n\n");
-        down.write(&event, true);
+        down.write(&event, true).await;
     }
 
     fn usage(&self, data: &[u8]) {

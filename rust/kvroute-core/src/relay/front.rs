@@ -8,12 +8,15 @@
 //! connection's end. Requests other than the two generation endpoints go to the side
 //! application.
 //!
-//! O(bytes) per request; runs on the connection's own thread.
+//! O(bytes) per request; one task per connection.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io::Write;
+use std::sync::Arc;
 use std::time::Instant;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
 
 use super::http::{chunk, head_end, parse_request_head, response_head, BodyReader, HttpError, RequestHead};
 use super::http::{LAST_CHUNK, MAX_HEAD};
@@ -112,47 +115,39 @@ pub(super) fn error_json(message: &str, kind: &str, code: u16) -> Vec<u8> {
     out
 }
 
-/// The answer to a client (see the module doc); a write that fails marks the client gone.
+/// The answer to a client (see the module doc); a write that fails (or stalls for the
+/// request timeout) marks the client gone.
 pub(super) struct Down<'a> {
-    stream: &'a TcpStream,
+    stream: &'a mut OwnedWriteHalf,
     http11: bool,
     pub keep: bool,
     /// 0: not begun, 1: streaming, 2: complete.
     state: u8,
     pub gone: bool,
     out: Vec<u8>,
+    limit: std::time::Duration,
 }
 
 impl<'a> Down<'a> {
-    fn new(stream: &'a TcpStream, head: &RequestHead) -> Self {
-        Self {
-            stream,
-            http11: head.version >= (1, 1),
-            keep: head.keep_alive(),
-            state: 0,
-            gone: false,
-            out: Vec::new(),
-        }
-    }
-
-    /// The client's socket.
-    pub fn stream(&self) -> &'a TcpStream {
-        self.stream
+    fn new(stream: &'a mut OwnedWriteHalf, head: &RequestHead, limit: std::time::Duration) -> Self {
+        let (http11, keep) = (head.version >= (1, 1), head.keep_alive());
+        Self { stream, http11, keep, state: 0, gone: false, out: Vec::new(), limit }
     }
 
     pub fn complete(&self) -> bool {
         self.state == 2
     }
 
-    fn put(&mut self) {
-        if !self.gone && (&*self.stream).write_all(&self.out).is_err() {
-            self.gone = true;
+    async fn put(&mut self) {
+        if !self.gone {
+            let sent = tokio::time::timeout(self.limit, self.stream.write_all(&self.out)).await;
+            self.gone = !matches!(sent, Ok(Ok(())));
         }
         self.out.clear();
     }
 
     /// A whole answer; `length` stands for `len(body)` (an answer to `HEAD`).
-    pub fn send(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8], length: Option<&str>) {
+    pub async fn send(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8], length: Option<&str>) {
         let n = body.len().to_string();
         let mut all = headers.to_vec();
         all.push(("content-length", length.unwrap_or(&n)));
@@ -162,16 +157,16 @@ impl<'a> Down<'a> {
         response_head(status, &all, &mut self.out);
         self.out.extend_from_slice(body);
         self.state = 2;
-        self.put();
+        self.put().await;
     }
 
     /// A whole JSON answer.
-    pub fn send_json(&mut self, status: u16, body: &[u8]) {
-        self.send(status, &[("content-type", "application/json")], body, None);
+    pub async fn send_json(&mut self, status: u16, body: &[u8]) {
+        self.send(status, &[("content-type", "application/json")], body, None).await;
     }
 
     /// Begin a streamed answer with its first body bytes.
-    pub fn start(&mut self, status: u16, headers: &[(&str, &str)], first: &[u8]) {
+    pub async fn start(&mut self, status: u16, headers: &[(&str, &str)], first: &[u8]) {
         let mut all = headers.to_vec();
         if self.http11 {
             all.push(("transfer-encoding", "chunked"));
@@ -184,11 +179,11 @@ impl<'a> Down<'a> {
             self.out.extend_from_slice(first);
         }
         self.state = 1;
-        self.put();
+        self.put().await;
     }
 
     /// More body bytes of a streamed answer; `end`: the last.
-    pub fn write(&mut self, data: &[u8], end: bool) {
+    pub async fn write(&mut self, data: &[u8], end: bool) {
         if self.state != 1 {
             return;
         }
@@ -204,72 +199,69 @@ impl<'a> Down<'a> {
             self.state = 2;
         }
         if !self.out.is_empty() {
-            self.put();
+            self.put().await;
         }
     }
 }
 
 /// Serve one client connection until it closes, idles out, or the relay stops.
-pub(super) fn serve(sh: &Shared, stream: TcpStream, busy: &AtomicBool) {
-    let _ = stream.set_read_timeout(Some(sh.config.idle_timeout));
-    let _ = stream.set_write_timeout(Some(sh.config.request_timeout));
+pub(super) async fn serve(sh: Arc<Shared>, stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let mut stop = sh.stop.subscribe();
     let mut pending = Vec::new();
     loop {
-        let req = match read_request(sh, &stream, &mut pending) {
+        if stop.borrow().is_some() {
+            return;
+        }
+        let req = tokio::select! {
+            req = read_request(&sh, &mut rd, &mut wr, &mut pending) => req,
+            _ = stop.changed() => return,
+        };
+        let req = match req {
             Ok(Some(req)) => req,
             Ok(None) => return,
             Err(e) => {
-                refuse(&stream, &e);
+                refuse(&mut wr, &e).await;
                 return;
             }
         };
-        busy.store(true, Ordering::SeqCst);
-        let mut down = Down::new(&stream, &req.head);
-        let forwarded = req.head.method == "POST"
-            && matches!(req.head.path(), "/v1/completions" | "/v1/chat/completions");
-        if forwarded {
-            let chat = req.head.path() == "/v1/chat/completions";
-            super::forward::forward(sh, &req, &mut down, &mut pending, chat);
+        let mut down = Down::new(&mut wr, &req.head, sh.config.request_timeout);
+        let path = req.head.path();
+        if req.head.method == "POST" && matches!(path, "/v1/completions" | "/v1/chat/completions") {
+            let chat = path == "/v1/chat/completions";
+            super::forward::forward(&sh, &req, &mut down, watch(&sh, &mut rd, &mut pending), chat).await;
         } else {
-            to_side(sh, &req, &mut down, &mut pending);
+            to_side(&sh, &req, &mut down, watch(&sh, &mut rd, &mut pending)).await;
         }
-        busy.store(false, Ordering::SeqCst);
-        if !down.complete() || !down.keep || down.gone || sh.stopping() {
+        if !down.complete() || !down.keep || down.gone {
             return;
         }
     }
 }
 
-fn read_more(stream: &TcpStream, buf: &mut Vec<u8>) -> bool {
-    let mut chunk = [0u8; 16 << 10];
-    loop {
-        match (&*stream).read(&mut chunk) {
-            Ok(0) => return false,
-            Ok(n) => {
-                buf.extend_from_slice(&chunk[..n]);
-                return true;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
-        }
-    }
+/// More bytes from the client into `buf`; false at its end, an error, or the idle timeout.
+async fn read_more(sh: &Shared, rd: &mut OwnedReadHalf, buf: &mut Vec<u8>) -> bool {
+    buf.reserve(16 << 10);
+    matches!(tokio::time::timeout(sh.config.idle_timeout, rd.read_buf(buf)).await, Ok(Ok(n)) if n > 0)
 }
 
 /// The next request (None: the client closed or idled out).
-fn read_request(sh: &Shared, stream: &TcpStream, buf: &mut Vec<u8>) -> Result<Option<Request>, HttpError> {
+async fn read_request(
+    sh: &Shared,
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Request>, HttpError> {
     let max_body = sh.config.max_body;
     let end = loop {
         let blank = buf.iter().take_while(|&&b| b == b'\r' || b == b'\n').count();
         buf.drain(..blank);
         match head_end(buf) {
-            Some(end) if end > MAX_HEAD => {
-                return Err(HttpError::new(431, "the request head exceeds 64 KiB"))
-            }
+            Some(end) if end > MAX_HEAD => return Err(HttpError::new(431, "the request head exceeds 64 KiB")),
             Some(end) => break end,
-            None if buf.len() > MAX_HEAD => {
-                return Err(HttpError::new(431, "the request head exceeds 64 KiB"))
-            }
-            None if sh.stopping() || !read_more(stream, buf) => return Ok(None),
+            None if buf.len() > MAX_HEAD => return Err(HttpError::new(431, "the request head exceeds 64 KiB")),
+            None if !read_more(sh, rd, buf).await => return Ok(None),
             None => {}
         }
     };
@@ -283,7 +275,7 @@ fn read_request(sh: &Shared, stream: &TcpStream, buf: &mut Vec<u8>) -> Result<Op
     let t0 = Instant::now();
     let expect = head.get("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
     if expect && !reader.done() && buf.is_empty() {
-        let _ = (&*stream).write_all(CONTINUE);
+        let _ = wr.write_all(CONTINUE).await;
     }
     let mut body = Vec::new();
     loop {
@@ -295,13 +287,13 @@ fn read_request(sh: &Shared, stream: &TcpStream, buf: &mut Vec<u8>) -> Result<Op
         if reader.done() {
             return Ok(Some(Request { head, body, t0 }));
         }
-        if !read_more(stream, buf) {
+        if !read_more(sh, rd, buf).await {
             return Ok(None);
         }
     }
 }
 
-fn refuse(stream: &TcpStream, e: &HttpError) {
+async fn refuse(wr: &mut OwnedWriteHalf, e: &HttpError) {
     let kind = if e.status == 505 { "not_supported" } else { "invalid_request_error" };
     let body = error_json(&e.message, kind, e.status);
     let n = body.len().to_string();
@@ -309,38 +301,38 @@ fn refuse(stream: &TcpStream, e: &HttpError) {
     let headers = [("content-type", "application/json"), ("content-length", &n), ("connection", "close")];
     response_head(e.status, &headers, &mut out);
     out.extend_from_slice(&body);
-    let _ = (&*stream).write_all(&out);
+    let _ = wr.write_all(&out).await;
 }
 
 /// The client's socket watched while an upstream answer is awaited.
-pub(super) fn watch<'a>(sh: &Shared, stream: &'a TcpStream, pending: &'a mut Vec<u8>) -> Watch<'a> {
-    Watch { client: Some(stream), pending, cap: MAX_HEAD + sh.config.max_body }
+fn watch<'a>(sh: &Shared, rd: &'a mut OwnedReadHalf, pending: &'a mut Vec<u8>) -> Watch<'a> {
+    Watch { client: Some(rd), pending, cap: MAX_HEAD + sh.config.max_body }
 }
 
 /// Relay a request to the side application and its answer back.
-fn to_side(sh: &Shared, req: &Request, down: &mut Down<'_>, pending: &mut Vec<u8>) {
+async fn to_side(sh: &Shared, req: &Request, down: &mut Down<'_>, mut w: Watch<'_>) {
     let headers = without(&req.head.headers, &HOP);
     let data = upstream_request(&req.head.method, &req.head.target, "kvroute", &headers, &req.body);
     let bodiless = req.head.method == "HEAD";
-    let mut w = watch(sh, down.stream, pending);
-    let got = sh.pool.acquire(&sh.config.side, false).map_err(ReadError::Io).and_then(|up| {
-        let (mut ex, sent) = Exchange::send(up, &data, bodiless);
+    let got = async {
+        let up = sh.pool.acquire(&sh.config.side, false).await?;
+        let (mut ex, sent) = Exchange::send(up, &data, bodiless).await;
         sent?;
-        let head = ex.head(&mut w, sh.config.request_timeout)?;
-        let body = ex.whole_body(&mut w, sh.config.request_timeout)?;
-        Ok((ex, head, body))
-    });
-    match got {
+        let head = ex.head(&mut w, sh.config.request_timeout).await?;
+        let body = ex.whole_body(&mut w, sh.config.request_timeout).await?;
+        Ok::<_, ReadError>((ex, head, body))
+    };
+    match got.await {
         Ok((ex, head, body)) => {
             ex.finish(&sh.pool);
             let length = head.get("content-length").unwrap_or("0").to_string();
             let relayed = without(&head.headers, &DROP);
-            down.send(head.status, &relayed, &body, bodiless.then_some(length.as_str()));
+            down.send(head.status, &relayed, &body, bodiless.then_some(length.as_str())).await;
         }
         Err(ReadError::ClientGone) => down.gone = true,
         Err(e) => {
             sh.hooks.log_error(&format!("the proxy's side application failed: {e}"));
-            down.send_json(502, &error_json("internal proxy error", "internal_error", 502));
+            down.send_json(502, &error_json("internal proxy error", "internal_error", 502)).await;
         }
     }
 }

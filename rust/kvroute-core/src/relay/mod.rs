@@ -8,15 +8,16 @@
 //! - `forward`: one generation request: key, route, send, retry, relay, finish.
 //! - [`stats`]: counters and histograms for the metrics; `log`: the JSONL decision log.
 //!
-//! A thread per client connection, blocking sockets: a relayed chunk costs one `poll`, one
-//! read and one write, with no interpreter and no task switch. `POST /v1/completions` and
-//! `POST /v1/chat/completions` are forwarded; every other request goes to the side
-//! application (the control plane: health, metrics, admin) at `RelayConfig::side`. What the
-//! relay cannot do by itself it asks of its [`Hooks`]: the keys of a body (the tokenizer
-//! lives there), and a backend's failures and recoveries (its health state lives there).
+//! One event-loop thread (a single-threaded tokio runtime) serves every connection: a
+//! relayed chunk costs one read and one write, with no interpreter and no thread switch.
+//! `POST /v1/completions` and `POST /v1/chat/completions` are forwarded; every other request
+//! goes to the side application (the control plane: health, metrics, admin) at
+//! `RelayConfig::side`. What the relay cannot do by itself it asks of its [`Hooks`]: the keys
+//! of a body (the tokenizer lives there), and a backend's failures and recoveries (its health
+//! state lives there).
 //!
-//! Thread-safety: [`Relay`] is shared by its threads through an `Arc`; the router is locked
-//! for each lifecycle step and never while a hook runs.
+//! Thread-safety: the relay's state is shared with the caller's threads through an `Arc`;
+//! the router is locked for each lifecycle step, never across an await or while a hook runs.
 
 mod forward;
 mod front;
@@ -27,15 +28,16 @@ pub mod stats;
 pub mod upstream;
 
 use std::net::TcpListener;
-use std::os::unix::io::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::sync::{watch, Notify, Semaphore};
 
 use crate::{Id, Router};
-use io::{wait, Address, Ready};
+use io::Address;
 use stats::Stats;
 use upstream::Pool;
 
@@ -96,6 +98,8 @@ pub trait Hooks: Send + Sync {
     /// The routing inputs of a generation request's body (`chat`: the chat endpoint), given
     /// the session header's value.
     fn key(&self, body: &[u8], chat: bool, session_header: Option<&str>) -> Result<Keyed, Refusal>;
+    /// Whether [`Hooks::key`] may wait on the network (then it runs off the event loop).
+    fn key_may_block(&self) -> bool;
     /// Backend `index` failed a request (connection, 5xx, timeout, mid-stream).
     fn failure(&self, index: usize);
     /// Backend `index`, marked failing, served a request well.
@@ -140,7 +144,7 @@ impl Backends {
     }
 }
 
-/// What the relay's threads share.
+/// What the relay's tasks share.
 pub(crate) struct Shared {
     config: RelayConfig,
     router: Arc<Mutex<Router>>,
@@ -149,20 +153,19 @@ pub(crate) struct Shared {
     pool: Pool,
     stats: Arc<Stats>,
     log: Option<log::DecisionLog>,
-    stopping: AtomicBool,
     next_request: AtomicI64,
-    /// Generation requests being forwarded, bounded by `max_concurrency`.
-    forwarding: (Mutex<usize>, Condvar),
-    /// Open client connections, for shutdown: a clone of each socket and whether a request
-    /// is being answered on it.
-    connections: Mutex<Vec<(u64, std::net::TcpStream, Arc<AtomicBool>)>>,
-    open: (Mutex<usize>, Condvar),
+    /// Generation requests forwarded at once (`max_concurrency` permits).
+    forwarding: Semaphore,
+    /// Some(grace) once stopping.
+    stop: watch::Sender<Option<Duration>>,
+    open: AtomicUsize,
+    closed: Notify,
 }
 
 /// A running relay (see the module doc).
 pub struct Relay {
     shared: Arc<Shared>,
-    acceptor: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl Relay {
@@ -177,24 +180,31 @@ impl Relay {
         let log = config.decision_log.as_deref().map(log::DecisionLog::open).transpose()?;
         let shared = Arc::new(Shared {
             pool: Pool::new(config.connect_timeout, config.upstream_idle_timeout),
+            forwarding: Semaphore::new(config.max_concurrency.min(Semaphore::MAX_PERMITS)),
             config,
             router,
             backends,
             hooks,
             stats: Arc::new(Stats::default()),
             log,
-            stopping: AtomicBool::new(false),
             next_request: AtomicI64::new(1),
-            forwarding: (Mutex::new(0), Condvar::new()),
-            connections: Mutex::new(Vec::new()),
-            open: (Mutex::new(0), Condvar::new()),
+            stop: watch::Sender::new(None),
+            open: AtomicUsize::new(0),
+            closed: Notify::new(),
         });
         listener.set_nonblocking(true)?;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let listener = {
+            let _entered = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)?
+        };
         let sh = Arc::clone(&shared);
-        let acceptor = std::thread::Builder::new()
-            .name("kvroute-accept".into())
-            .spawn(move || accept_loop(&sh, &listener))?;
-        Ok(Relay { shared, acceptor: Some(acceptor) })
+        let thread = std::thread::Builder::new().name("kvroute-relay".into()).spawn(move || {
+            runtime.block_on(run(Arc::clone(&sh), listener));
+            runtime.shutdown_timeout(Duration::from_secs(1));
+            sh.pool.clear();
+        })?;
+        Ok(Relay { shared, thread: Some(thread) })
     }
 
     /// The counters.
@@ -210,139 +220,75 @@ impl Relay {
     }
 
     /// Stop accepting; let requests being answered finish for up to `grace`, then close every
-    /// connection.
+    /// connection. Blocks until the relay's thread has ended.
     pub fn stop(&mut self, grace: Duration) {
-        let sh = &self.shared;
-        sh.stopping.store(true, Ordering::SeqCst);
-        if let Some(t) = self.acceptor.take() {
+        self.shared.stop.send_replace(Some(grace));
+        if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        sh.close_connections(false);
-        let deadline = Instant::now() + grace;
-        sh.wait_closed(deadline);
-        sh.close_connections(true);
-        sh.wait_closed(Instant::now() + Duration::from_secs(1));
-        sh.pool.clear();
         self.flush_log();
     }
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        if self.acceptor.is_some() {
+        if self.thread.is_some() {
             self.stop(Duration::ZERO);
         }
     }
 }
 
-impl Shared {
-    fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::Relaxed)
-    }
-
-    fn close_connections(&self, busy_too: bool) {
-        for (_, stream, busy) in lock(&self.connections).iter() {
-            if busy_too || !busy.load(Ordering::SeqCst) {
-                let _ = stream.shutdown(std::net::Shutdown::Both);
-            }
+/// The event loop's main task: accept until stopped, then wait for open connections (up to
+/// the grace period); the runtime drops whatever is left.
+async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
+    let mut stop = sh.stop.subscribe();
+    let mut sweep = tokio::time::interval(Duration::from_secs(1));
+    let grace = loop {
+        if let Some(grace) = *stop.borrow() {
+            break grace;
         }
-    }
-
-    fn wait_closed(&self, deadline: Instant) {
-        let (count, cv) = &self.open;
-        let mut n = lock(count);
-        while *n > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
-            }
-            n = cv.wait_timeout(n, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+        tokio::select! {
+            got = listener.accept() => match got {
+                Ok((stream, _)) => {
+                    sh.open.fetch_add(1, Ordering::SeqCst);
+                    let conn = Arc::clone(&sh);
+                    tokio::spawn(async move {
+                        let _open = Open(&conn);
+                        front::serve(Arc::clone(&conn), stream).await;
+                    });
+                }
+                Err(e) => {
+                    sh.hooks.log_error(&format!("accept failed: {e}"));
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+            _ = sweep.tick() => sh.pool.sweep(),
+            _ = stop.changed() => {}
         }
-    }
-
-    /// Wait for a forwarding slot; released when the guard drops.
-    fn forwarding_slot(&self) -> SlotGuard<'_> {
-        let (count, cv) = &self.forwarding;
-        let mut n = lock(count);
-        while *n >= self.config.max_concurrency {
-            n = cv.wait(n).unwrap_or_else(std::sync::PoisonError::into_inner);
+    };
+    drop(listener);
+    let deadline = tokio::time::sleep(grace);
+    tokio::pin!(deadline);
+    loop {
+        let closed = sh.closed.notified();
+        tokio::pin!(closed);
+        closed.as_mut().enable();
+        if sh.open.load(Ordering::SeqCst) == 0 {
+            return;
         }
-        *n += 1;
-        SlotGuard(self)
+        tokio::select! {
+            () = closed => {}
+            () = &mut deadline => return,
+        }
     }
 }
 
-struct SlotGuard<'a>(&'a Shared);
+/// Counts an open connection while its task lives (however it ends).
+struct Open<'a>(&'a Shared);
 
-impl Drop for SlotGuard<'_> {
+impl Drop for Open<'_> {
     fn drop(&mut self) {
-        let (count, cv) = &self.0.forwarding;
-        *lock(count) -= 1;
-        cv.notify_one();
-    }
-}
-
-fn accept_loop(sh: &Arc<Shared>, listener: &TcpListener) {
-    let mut next_id = 0u64;
-    let mut swept = Instant::now();
-    while !sh.stopping() {
-        let tick = Instant::now() + Duration::from_millis(100);
-        if !matches!(wait(listener.as_raw_fd(), None, tick), Ok(Ready::First)) {
-            if swept.elapsed() > Duration::from_secs(1) {
-                sh.pool.sweep();
-                swept = Instant::now();
-            }
-            continue;
-        }
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                sh.hooks.log_error(&format!("accept failed: {e}"));
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        next_id += 1;
-        if let Err(e) = spawn_connection(sh, stream, next_id) {
-            sh.hooks.log_error(&format!("cannot start a connection thread: {e}"));
-        }
-    }
-}
-
-fn spawn_connection(sh: &Arc<Shared>, stream: std::net::TcpStream, id: u64) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
-    let busy = Arc::new(AtomicBool::new(false));
-    let clone = stream.try_clone()?;
-    *lock(&sh.open.0) += 1;
-    lock(&sh.connections).push((id, clone, Arc::clone(&busy)));
-    let thread_sh = Arc::clone(sh);
-    let spawned =
-        std::thread::Builder::new().name("kvroute-conn".into()).stack_size(512 << 10).spawn(move || {
-            let closed = ClosedGuard(&thread_sh, id);
-            front::serve(&thread_sh, stream, &busy);
-            drop(closed);
-        });
-    if let Err(e) = spawned {
-        ClosedGuard(sh, id).drop_now();
-        return Err(e);
-    }
-    Ok(())
-}
-
-/// Takes a connection off the registry when its thread ends, however it ends.
-struct ClosedGuard<'a>(&'a Shared, u64);
-
-impl ClosedGuard<'_> {
-    fn drop_now(self) {}
-}
-
-impl Drop for ClosedGuard<'_> {
-    fn drop(&mut self) {
-        lock(&self.0.connections).retain(|(id, _, _)| *id != self.1);
-        let (count, cv) = &self.0.open;
-        *lock(count) -= 1;
-        cv.notify_all();
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+        self.0.closed.notify_waiters();
     }
 }

@@ -9,20 +9,21 @@
 //! that hangs up ends the wait at once. A response that ended cleanly on a connection the
 //! backend keeps open goes back to the pool.
 //!
-//! O(bytes) per response; the pool is shared by all connection threads (one short lock per
-//! acquire and release), an exchange belongs to one thread.
+//! O(bytes) per response; the pool is shared by the relay's tasks (one short lock per
+//! acquire and release, never held across an await), an exchange belongs to one task.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
-use std::net::TcpStream;
-use std::os::unix::io::AsRawFd;
+use std::io;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::http::{head_end, parse_response_head, BodyReader, HttpError, ResponseHead, MAX_HEAD};
-use super::io::{wait, Address, Ready, Stream};
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::OwnedReadHalf;
 
-const READ_SIZE: usize = 64 << 10;
+use super::http::{head_end, parse_response_head, BodyReader, HttpError, ResponseHead, MAX_HEAD};
+use super::io::{Address, Stream};
+
+const READ_SIZE: usize = 16 << 10;
 
 /// One connection to a backend.
 #[derive(Debug)]
@@ -49,17 +50,17 @@ impl Pool {
     }
 
     /// A connection to `address`: the newest live idle one (unless `fresh`), else a new one.
-    pub fn acquire(&self, address: &Address, fresh: bool) -> io::Result<Upstream> {
+    pub async fn acquire(&self, address: &Address, fresh: bool) -> io::Result<Upstream> {
         if !fresh {
             loop {
                 let got = super::lock(&self.idle).get_mut(address).and_then(Vec::pop);
                 let Some(up) = got else { break };
-                if up.idle_since.elapsed() < self.idle_timeout && !closed_by_peer(&up.stream) {
+                if up.idle_since.elapsed() < self.idle_timeout && !up.stream.closed_by_peer() {
                     return Ok(up);
                 }
             }
         }
-        let stream = Stream::connect(address, self.connect_timeout)?;
+        let stream = Stream::connect(address, self.connect_timeout).await?;
         Ok(Upstream { stream, address: address.clone(), uses: 0, idle_since: Instant::now() })
     }
 
@@ -83,11 +84,6 @@ impl Pool {
     pub fn clear(&self) {
         super::lock(&self.idle).clear();
     }
-}
-
-/// An idle connection with something to read has been closed (or sent junk): unusable.
-fn closed_by_peer(stream: &Stream) -> bool {
-    !matches!(wait(stream.as_raw_fd(), None, Instant::now() + Duration::from_millis(0)), Ok(Ready::Timeout))
 }
 
 /// Why a response could not be read.
@@ -130,11 +126,12 @@ impl From<HttpError> for ReadError {
 }
 
 /// The client's socket, watched while a response is awaited: bytes it sends meanwhile
-/// (pipelined requests) are kept in `pending`, up to `cap` bytes; its end is [`ReadError::ClientGone`].
+/// (pipelined requests) are kept in `pending`, up to `cap` bytes; its end is
+/// [`ReadError::ClientGone`].
 #[derive(Debug)]
 pub struct Watch<'a> {
-    /// The client (None: not watched).
-    pub client: Option<&'a TcpStream>,
+    /// The client's reading side (None: not watched).
+    pub client: Option<&'a mut OwnedReadHalf>,
     /// Bytes read from it meanwhile.
     pub pending: &'a mut Vec<u8>,
     /// Stop watching once this much is pending.
@@ -142,13 +139,12 @@ pub struct Watch<'a> {
 }
 
 impl Watch<'_> {
-    fn readable(&mut self) -> Result<(), ReadError> {
-        let Some(mut client) = self.client else { return Ok(()) };
-        let mut buf = [0u8; 4096];
-        match client.read(&mut buf) {
+    /// Wait for the client's next bytes (never returns when not watching).
+    async fn readable(&mut self) -> Result<(), ReadError> {
+        let Some(client) = self.client.as_mut() else { return std::future::pending().await };
+        match client.read_buf(self.pending).await {
             Ok(0) => Err(ReadError::ClientGone),
-            Ok(n) => {
-                self.pending.extend_from_slice(&buf[..n]);
+            Ok(_) => {
                 if self.pending.len() > self.cap {
                     self.client = None;
                 }
@@ -176,8 +172,8 @@ pub struct Exchange {
 impl Exchange {
     /// Write a request (`data`: head and body) on `up`. `bodiless`: the answer has no body
     /// whatever its headers say (a `HEAD` request).
-    pub fn send(mut up: Upstream, data: &[u8], bodiless: bool) -> (Self, io::Result<()>) {
-        let sent = up.stream.write_all(data);
+    pub async fn send(mut up: Upstream, data: &[u8], bodiless: bool) -> (Self, io::Result<()>) {
+        let sent = up.stream.write_all(data).await;
         let ex = Self { up, received: 0, buf: Vec::new(), reader: None, keep: true, done: false, bodiless };
         (ex, sent)
     }
@@ -187,34 +183,30 @@ impl Exchange {
         self.up.uses > 0
     }
 
-    fn fill(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<usize, ReadError> {
-        let deadline = Instant::now() + timeout;
+    async fn fill(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<usize, ReadError> {
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        self.buf.reserve(READ_SIZE);
         loop {
-            let client = watch.client.map(AsRawFd::as_raw_fd);
-            match wait(self.up.stream.as_raw_fd(), client, deadline)? {
-                Ready::Timeout => return Err(ReadError::Timeout),
-                Ready::Second => watch.readable()?,
-                Ready::First => {
-                    let start = self.buf.len();
-                    self.buf.resize(start + READ_SIZE, 0);
-                    let got = self.up.stream.read(&mut self.buf[start..]);
-                    let n = *got.as_ref().unwrap_or(&0);
-                    self.buf.truncate(start + n);
-                    match got {
-                        Ok(n) => {
-                            self.received += n;
-                            return Ok(n);
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(e.into()),
+            let watching = watch.client.is_some();
+            tokio::select! {
+                biased;
+                got = self.up.stream.read_buf(&mut self.buf) => match got {
+                    Ok(n) => {
+                        self.received += n;
+                        return Ok(n);
                     }
-                }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e.into()),
+                },
+                got = watch.readable(), if watching => got?,
+                () = &mut deadline => return Err(ReadError::Timeout),
             }
         }
     }
 
     /// The response head (after any interim answers).
-    pub fn head(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<ResponseHead, ReadError> {
+    pub async fn head(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<ResponseHead, ReadError> {
         loop {
             if let Some(end) = head_end(&self.buf) {
                 let head = parse_response_head(&self.buf[..end])?;
@@ -230,7 +222,7 @@ impl Exchange {
             if self.buf.len() > MAX_HEAD {
                 return Err(HttpError::new(502, "response head too long").into());
             }
-            if self.fill(watch, timeout)? == 0 {
+            if self.fill(watch, timeout).await? == 0 {
                 return Err(ReadError::Closed);
             }
         }
@@ -238,7 +230,7 @@ impl Exchange {
 
     /// Body bytes as they come, appended to `out`: returns once some are there or the body
     /// is complete (true).
-    pub fn body(
+    pub async fn body(
         &mut self,
         watch: &mut Watch<'_>,
         timeout: Duration,
@@ -258,7 +250,7 @@ impl Exchange {
             if out.len() > start {
                 return Ok(false);
             }
-            if self.fill(watch, timeout)? == 0 {
+            if self.fill(watch, timeout).await? == 0 {
                 let reader = self.reader.as_mut().expect("body() follows head()");
                 if reader.eof().is_err() {
                     return Err(ReadError::Closed);
@@ -271,9 +263,9 @@ impl Exchange {
     }
 
     /// The whole body.
-    pub fn whole_body(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<Vec<u8>, ReadError> {
+    pub async fn whole_body(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<Vec<u8>, ReadError> {
         let mut out = Vec::new();
-        while !self.body(watch, timeout, &mut out)? {}
+        while !self.body(watch, timeout, &mut out).await? {}
         Ok(out)
     }
 
