@@ -20,8 +20,14 @@ import kvroute
 from kvroute._core import prompt_ids
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
-from kvroute.proxy.keys import Keyer, approx_keys
-from kvroute.proxy.prompts import BadRequest, completion_prompt, parse_body, render_chat
+from kvroute.proxy.keys import Keyer, approx_keys, session_of
+from kvroute.proxy.prompts import (
+    BadRequest,
+    completion_prompt,
+    parse_body,
+    render_chat,
+    wants_stream,
+)
 from livekit import MODEL, Stack, http, sse_events, wait_until
 
 #: Every test here runs against both data paths (``conftest.data_path``).
@@ -412,3 +418,50 @@ def test_prompt_scan_on_real_shapes() -> None:
         assert found is not None and found[0].tolist() == ids
     assert prompt_ids(b'{"prompt": "text"}') is None
     assert prompt_ids(b'{"prompt": [1], "prompt": [2]}') is None  # the parser's call
+
+
+# -- the native data path's own keying -------------------------------------------------------
+
+SESSIONS = st.one_of(
+    st.none(), st.text(max_size=6), st.integers(-(2**70), 2**70), st.floats(), JSON_VALUES
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    extra=st.dictionaries(
+        st.sampled_from(["stream", "session_id", "model", "n", "x", "str\\u0065am"]),
+        st.one_of(JSON_VALUES, st.booleans(), SESSIONS),
+        max_size=4,
+    ),
+    prompt=PROMPTS,
+    header=st.sampled_from([None, "", "hdr"]),
+    indent=st.sampled_from([None, 2]),
+    ascii_only=st.booleans(),
+    junk=st.sampled_from([b"", b" ", b"x", b"NaN"]),
+)
+def test_relay_keying_agrees_with_the_python_keyer(
+    extra: dict[str, Any],
+    prompt: Any,
+    header: str | None,
+    indent: int | None,
+    ascii_only: bool,
+    junk: bytes,
+) -> None:
+    """When the relay keys a completions body itself (``relay_token_prompt``), it reads the
+    keys, length, stream flag and session the Python keyer reads; every body it leaves to
+    the hooks is one the Python keyer is asked about instead."""
+    from kvroute._core import relay_token_prompt
+
+    raw = json.dumps({"prompt": prompt, **extra}, indent=indent, ensure_ascii=ascii_only)
+    raw_bytes = raw.encode()
+    if junk:
+        raw_bytes = raw_bytes.replace(b"}", b", \"j\": " + junk + b"}", 1) if junk != b" " else raw_bytes + junk
+    got = relay_token_prompt(raw_bytes, 4, "session_id", header)
+    if got is None:
+        return
+    keyer = Keyer("approx", 4)
+    body, keyed = keyer.parse_now(raw_bytes, False)
+    assert keyed is not None
+    python = (keyed[0].tolist(), keyed[1], wants_stream(body), session_of(header, body, "session_id"))
+    assert (got[0].tolist(), got[1], got[2], got[3]) == python

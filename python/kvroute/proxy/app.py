@@ -128,6 +128,7 @@ class Proxy:
             max_concurrency=c.max_concurrency,
             retries=c.retries,
             session_header=c.session_header,
+            session_field=c.session_field,
             decision_log=c.decision_log,
         )
         self.pool.attach(self._relay)

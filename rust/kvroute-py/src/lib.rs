@@ -27,6 +27,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ceilings::ceilings, m)?)?;
     #[cfg(unix)]
     m.add_class::<relay::PyRelay>()?;
+    #[cfg(unix)]
+    m.add_function(wrap_pyfunction!(relay::relay_token_prompt, m)?)?;
     m.add_class::<sim::engine_model::PyEngineModel>()?;
     m.add_function(wrap_pyfunction!(sim::simulate_runs, m)?)?;
     m.add_function(wrap_pyfunction!(sim::engine_params, m)?)?;

@@ -109,6 +109,34 @@ fn seconds(py: Python<'_>, value: f64, name: &str) -> PyResult<Duration> {
         .ok_or_else(|| invalid(py, format!("{name} must be positive, got {value}")))
 }
 
+/// The relay's own keying of a completions body with a token-id prompt:
+/// `(keys, input_length, stream, session)`, or None when it leaves the body to the hooks
+/// (`kvroute_core::relay::body`). For tests that hold it to the Python keyer.
+#[pyfunction]
+#[pyo3(signature = (body, block_size, session_field = None, session_header = None))]
+pub fn relay_token_prompt<'py>(
+    py: Python<'py>,
+    body: &[u8],
+    block_size: usize,
+    session_field: Option<&str>,
+    session_header: Option<&str>,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    if block_size == 0 {
+        return Err(invalid(py, "block_size must be positive, got 0".into()));
+    }
+    let Some(k) = kvroute_core::relay::body::token_prompt(body, block_size, session_field, session_header) else {
+        return Ok(None);
+    };
+    let session = match k.session {
+        None => py.None().into_bound(py),
+        Some(kvroute_core::Id::Int(i)) => i.into_pyobject(py)?.into_any(),
+        Some(kvroute_core::Id::Str(s)) => s.into_pyobject(py)?.into_any(),
+    };
+    let keys = numpy::PyArray1::from_vec(py, k.keys).into_any();
+    let items = [keys, k.input_length.into_pyobject(py)?.into_any(), k.stream.into_pyobject(py)?.to_owned().into_any(), session];
+    Ok(Some(PyTuple::new(py, items)?))
+}
+
 /// `(scheme, host, port)` as the Python side writes addresses; scheme `http` or `unix`
 /// (host: the socket path).
 fn address(py: Python<'_>, (scheme, host, port): (String, String, u16), what: &str) -> PyResult<Address> {
@@ -136,7 +164,7 @@ fn errors<'py>(py: Python<'py>, counts: &[std::sync::atomic::AtomicU64]) -> PyRe
 impl PyRelay {
     #[new]
     #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
-        max_concurrency, retries, session_header, decision_log = None, idle_timeout_s = 75.0,
+        max_concurrency, retries, session_header, session_field = None, decision_log = None, idle_timeout_s = 75.0,
         upstream_idle_timeout_s = 30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -151,6 +179,7 @@ impl PyRelay {
         max_concurrency: usize,
         retries: usize,
         session_header: &str,
+        session_field: Option<String>,
         decision_log: Option<PathBuf>,
         idle_timeout_s: f64,
         upstream_idle_timeout_s: f64,
@@ -170,6 +199,9 @@ impl PyRelay {
             max_concurrency,
             retries,
             session_header: session_header.to_ascii_lowercase(),
+            session_field,
+            block_size: usize::try_from(router.shared().lock().unwrap_or_else(|e| e.into_inner()).config().block_size)
+                .unwrap_or(usize::MAX),
             side: address(py, side, "the side application")?,
             decision_log,
         };

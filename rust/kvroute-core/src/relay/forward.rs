@@ -170,6 +170,12 @@ pub(super) async fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, mut
 /// The request's routing inputs, from the hooks (off the event loop when they may block).
 async fn key(sh: &Shared, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
     let header = req.head.get(&sh.config.session_header);
+    if !chat {
+        let c = &sh.config;
+        if let Some(k) = super::body::token_prompt(&req.body, c.block_size, c.session_field.as_deref(), header) {
+            return Ok(k);
+        }
+    }
     if !sh.hooks.key_may_block() {
         return sh.hooks.key(&req.body, chat, header);
     }

@@ -1,6 +1,7 @@
 //! The proxy's compiled data path: an HTTP/1.1 relay in front of a fleet of engines that
 //! routes each generation request with the [`Router`] and relays the answer byte for byte.
 //!
+//! - [`body`]: keying a token-id completions body without the hooks.
 //! - [`http`]: HTTP/1.1 framing (heads, bodies, chunks).
 //! - [`io`]: TCP and Unix stream sockets, polling two of them at once.
 //! - [`upstream`]: keep-alive connections to the backends and reading one response.
@@ -19,6 +20,7 @@
 //! Thread-safety: the relay's state is shared with the caller's threads through an `Arc`;
 //! the router is locked for each lifecycle step, never across an await or while a hook runs.
 
+pub mod body;
 mod forward;
 mod front;
 pub mod http;
@@ -65,6 +67,10 @@ pub struct RelayConfig {
     pub retries: usize,
     /// Lower-case name of the header that carries the session id.
     pub session_header: String,
+    /// Body field that names the session when the header is absent.
+    pub session_field: Option<String>,
+    /// Tokens per block key (the router's).
+    pub block_size: usize,
     /// Where the other requests go.
     pub side: Address,
     /// JSONL decision log, when wanted.
