@@ -43,7 +43,11 @@ pub fn token_prompt(
             j.eat(b':')?;
             j.ws();
             let start = j.pos;
-            j.value()?;
+            if start == prompt.start {
+                j.pos = prompt.end; // the scan has read the prompt's ids
+            } else {
+                j.value()?;
+            }
             let value = &body[start..j.pos];
             if escaped {
                 return None; // which field it names is the parser's business

@@ -364,22 +364,19 @@ impl Tail {
 /// The number of the last `key : digits` in `data` (JSON whitespace allowed around `:`).
 fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
     let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
-    let mut found = None;
-    let mut from = 0;
-    while let Some(at) = data[from..].windows(key.len()).position(|w| w == key) {
-        let mut rest = &data[from + at + key.len()..];
-        from += at + 1;
-        while rest.first().is_some_and(ws) {
-            rest = &rest[1..];
-        }
-        let Some(rest) = rest.strip_prefix(b":") else { continue };
+    let mut end = data.len();
+    while let Some(at) = data[..end].iter().rposition(|&c| c == key[0]) {
+        end = at;
+        let Some(rest) = data[at..].strip_prefix(key) else { continue };
+        let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
+        let Some(rest) = rest[start..].strip_prefix(b":") else { continue };
         let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
         let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
         if let Ok(n) = std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse() {
-            found = Some(n);
+            return Some(n);
         }
     }
-    found
+    None
 }
 
 #[cfg(test)]
