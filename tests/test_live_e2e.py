@@ -9,8 +9,8 @@ import time
 from collections import Counter
 
 import aiohttp
-import pytest
 import openai
+import pytest
 
 from livekit import MODEL, Stack, http, spawn, stop
 

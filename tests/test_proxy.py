@@ -455,13 +455,16 @@ def test_relay_keying_agrees_with_the_python_keyer(
 
     raw = json.dumps({"prompt": prompt, **extra}, indent=indent, ensure_ascii=ascii_only)
     raw_bytes = raw.encode()
-    if junk:
-        raw_bytes = raw_bytes.replace(b"}", b", \"j\": " + junk + b"}", 1) if junk != b" " else raw_bytes + junk
+    if junk == b" ":
+        raw_bytes += junk
+    elif junk:  # a member with a value strict JSON refuses, or not a value at all
+        raw_bytes = raw_bytes.replace(b"}", b', "j": ' + junk + b"}", 1)
     got = relay_token_prompt(raw_bytes, 4, "session_id", header)
     if got is None:
         return
     keyer = Keyer("approx", 4)
     body, keyed = keyer.parse_now(raw_bytes, False)
     assert keyed is not None
-    python = (keyed[0].tolist(), keyed[1], wants_stream(body), session_of(header, body, "session_id"))
+    session = session_of(header, body, "session_id")
+    python = (keyed[0].tolist(), keyed[1], wants_stream(body), session)
     assert (got[0].tolist(), got[1], got[2], got[3]) == python

@@ -1,5 +1,6 @@
 """Type stubs of the native extension ``kvroute._core`` (checked by ``mypy.stubtest``)."""
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal, TypeAlias, TypedDict, final
 
@@ -10,6 +11,7 @@ __all__ = [
     "BUILD_PROFILE",
     "ROOT_SEED",
     "EngineModel",
+    "Relay",
     "Router",
     "__version__",
     "block_hashes",
@@ -20,6 +22,7 @@ __all__ = [
     "engine_presets",
     "policies",
     "prompt_ids",
+    "relay_token_prompt",
     "simulate_runs",
 ]
 
@@ -108,6 +111,56 @@ class Router:
     def block_size(self) -> int: ...
     @property
     def in_flight(self) -> int: ...
+
+class RelayBackendStats(TypedDict):
+    decisions: dict[str, int]
+    estimated: int
+    reported: int
+    prompt: int
+    retries: int
+    errors: dict[str, int]
+    ttft: tuple[list[int], float]
+    e2e: tuple[list[int], float]
+
+class RelayStats(TypedDict):
+    backends: list[RelayBackendStats]
+    errors: dict[str, int]
+    routing: tuple[list[int], float]
+
+@final
+class Relay:
+    def __new__(
+        cls,
+        listen_fd: int,
+        router: Router,
+        side: tuple[str, str, int],
+        hooks: Any,
+        *,
+        max_body: int,
+        request_timeout_s: float,
+        connect_timeout_s: float,
+        max_concurrency: int,
+        retries: int,
+        session_header: str,
+        session_field: str | None = None,
+        decision_log: str | os.PathLike[str] | None = None,
+        idle_timeout_s: float = 75.0,
+        upstream_idle_timeout_s: float = 30.0,
+    ) -> Relay: ...
+    def set_backend(
+        self, index: int, url: str, address: tuple[str, str, int], host: str, prefix: str
+    ) -> None: ...
+    def set_failing(self, index: int, failing: bool) -> None: ...
+    def stats(self) -> RelayStats: ...
+    def flush_log(self) -> None: ...
+    def stop(self, grace_s: float = 5.0) -> None: ...
+
+def relay_token_prompt(
+    body: bytes,
+    block_size: int,
+    session_field: str | None = None,
+    session_header: str | None = None,
+) -> tuple[npt.NDArray[np.uint64], int, bool, int | str | None] | None: ...
 
 class CeilingTotals(TypedDict):
     ratio: float

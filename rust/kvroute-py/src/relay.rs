@@ -124,7 +124,8 @@ pub fn relay_token_prompt<'py>(
     if block_size == 0 {
         return Err(invalid(py, "block_size must be positive, got 0".into()));
     }
-    let Some(k) = kvroute_core::relay::body::token_prompt(body, block_size, session_field, session_header) else {
+    let Some(k) = kvroute_core::relay::body::token_prompt(body, block_size, session_field, session_header)
+    else {
         return Ok(None);
     };
     let session = match k.session {
@@ -133,7 +134,12 @@ pub fn relay_token_prompt<'py>(
         Some(kvroute_core::Id::Str(s)) => s.into_pyobject(py)?.into_any(),
     };
     let keys = numpy::PyArray1::from_vec(py, k.keys).into_any();
-    let items = [keys, k.input_length.into_pyobject(py)?.into_any(), k.stream.into_pyobject(py)?.to_owned().into_any(), session];
+    let items = [
+        keys,
+        k.input_length.into_pyobject(py)?.into_any(),
+        k.stream.into_pyobject(py)?.to_owned().into_any(),
+        session,
+    ];
     Ok(Some(PyTuple::new(py, items)?))
 }
 
@@ -200,8 +206,10 @@ impl PyRelay {
             retries,
             session_header: session_header.to_ascii_lowercase(),
             session_field,
-            block_size: usize::try_from(router.shared().lock().unwrap_or_else(|e| e.into_inner()).config().block_size)
-                .unwrap_or(usize::MAX),
+            block_size: usize::try_from(
+                router.shared().lock().unwrap_or_else(|e| e.into_inner()).config().block_size,
+            )
+            .unwrap_or(usize::MAX),
             side: address(py, side, "the side application")?,
             decision_log,
         };

@@ -233,14 +233,21 @@ mod tests {
     use crate::Id;
 
     fn key(body: &str, header: Option<&str>) -> Option<(u64, bool, Option<Id>)> {
-        token_prompt(body.as_bytes(), 2, Some("session_id"), header).map(|k| (k.input_length, k.stream, k.session))
+        token_prompt(body.as_bytes(), 2, Some("session_id"), header)
+            .map(|k| (k.input_length, k.stream, k.session))
     }
 
     #[test]
     fn reads_what_routing_needs() {
         let s = |v: &str| Some(Id::Str(v.into()));
-        assert_eq!(key(r#"{"prompt": [1, 2, 3], "stream": true, "session_id": "a"}"#, None), Some((3, true, s("a"))));
-        assert_eq!(key(r#"{"prompt":[1],"session_id":-7,"x":{"y":[1.5e-3,null,"\u00e9"]}}"#, None), Some((1, false, Some(Id::Int(-7)))));
+        assert_eq!(
+            key(r#"{"prompt": [1, 2, 3], "stream": true, "session_id": "a"}"#, None),
+            Some((3, true, s("a")))
+        );
+        assert_eq!(
+            key(r#"{"prompt":[1],"session_id":-7,"x":{"y":[1.5e-3,null,"\u00e9"]}}"#, None),
+            Some((1, false, Some(Id::Int(-7))))
+        );
         assert_eq!(key(r#"{"prompt":[1],"session_id":"a"}"#, Some("h")), Some((1, false, s("h"))));
         assert_eq!(key(r#"{"prompt":[1],"session_id":""}"#, Some("")), Some((1, false, None)));
         assert_eq!(key(r#"{"prompt":[1],"session_id":2.0,"stream":false}"#, None), Some((1, false, None)));

@@ -18,6 +18,7 @@
 use std::sync::atomic::Ordering;
 
 use super::front::{error_json, upstream_request, without, Down, Request, DROP, HOP};
+use super::http::Headers;
 use super::log::{Record, Terms};
 use super::stats::{BackendStats, ErrorKind};
 use super::upstream::{Exchange, ReadError, Watch};
@@ -34,7 +35,7 @@ struct Fail {
     message: String,
     retry: bool,
     /// A 5xx answer to pass on as it came, with its headers.
-    answer: Option<(Vec<u8>, Vec<(String, String)>)>,
+    answer: Option<(Vec<u8>, Headers)>,
 }
 
 impl Fail {
@@ -172,14 +173,17 @@ async fn key(sh: &Shared, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
     let header = req.head.get(&sh.config.session_header);
     if !chat {
         let c = &sh.config;
-        if let Some(k) = super::body::token_prompt(&req.body, c.block_size, c.session_field.as_deref(), header) {
+        if let Some(k) =
+            super::body::token_prompt(&req.body, c.block_size, c.session_field.as_deref(), header)
+        {
             return Ok(k);
         }
     }
     if !sh.hooks.key_may_block() {
         return sh.hooks.key(&req.body, chat, header);
     }
-    let (hooks, body, header) = (std::sync::Arc::clone(&sh.hooks), req.body.clone(), header.map(str::to_owned));
+    let (hooks, body, header) =
+        (std::sync::Arc::clone(&sh.hooks), req.body.clone(), header.map(str::to_owned));
     let keyed = tokio::task::spawn_blocking(move || hooks.key(&body, chat, header.as_deref())).await;
     keyed.unwrap_or_else(|_| {
         let body = error_json("internal proxy error", "internal_error", 500);

@@ -258,9 +258,13 @@ async fn read_request(
         let blank = buf.iter().take_while(|&&b| b == b'\r' || b == b'\n').count();
         buf.drain(..blank);
         match head_end(buf) {
-            Some(end) if end > MAX_HEAD => return Err(HttpError::new(431, "the request head exceeds 64 KiB")),
+            Some(end) if end > MAX_HEAD => {
+                return Err(HttpError::new(431, "the request head exceeds 64 KiB"))
+            }
             Some(end) => break end,
-            None if buf.len() > MAX_HEAD => return Err(HttpError::new(431, "the request head exceeds 64 KiB")),
+            None if buf.len() > MAX_HEAD => {
+                return Err(HttpError::new(431, "the request head exceeds 64 KiB"))
+            }
             None if !read_more(sh, rd, buf).await => return Ok(None),
             None => {}
         }

@@ -206,7 +206,11 @@ impl Exchange {
     }
 
     /// The response head (after any interim answers).
-    pub async fn head(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<ResponseHead, ReadError> {
+    pub async fn head(
+        &mut self,
+        watch: &mut Watch<'_>,
+        timeout: Duration,
+    ) -> Result<ResponseHead, ReadError> {
         loop {
             if let Some(end) = head_end(&self.buf) {
                 let head = parse_response_head(&self.buf[..end])?;
@@ -263,7 +267,11 @@ impl Exchange {
     }
 
     /// The whole body.
-    pub async fn whole_body(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<Vec<u8>, ReadError> {
+    pub async fn whole_body(
+        &mut self,
+        watch: &mut Watch<'_>,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, ReadError> {
         let mut out = Vec::new();
         while !self.body(watch, timeout, &mut out).await? {}
         Ok(out)
