@@ -116,6 +116,11 @@ def test_config_checks() -> None:
     with pytest.raises(InvalidArgumentError, match="twice"):
         ProxyConfig(backends=["127.0.0.1:1", "http://127.0.0.1:1/"])
     assert ProxyConfig(backends=["127.0.0.1:9"]).backends == ["http://127.0.0.1:9"]
+    with pytest.raises(InvalidArgumentError, match="data_path"):
+        ProxyConfig(data_path="rust")
+    with pytest.raises(InvalidArgumentError, match="TLS"):
+        ProxyConfig(backends=["https://example.com"], data_path="native")
+    assert ProxyConfig(backends=["https://example.com"], data_path="python").data_path == "python"
 
 
 # -- against a recording backend ------------------------------------------------------------
@@ -272,6 +277,10 @@ def test_admin_api() -> None:
             )
             assert headers["X-Kvroute-Instance"] == "1"
         assert http("DELETE", s.url + "/admin/backends/7", headers=auth)[0] == 404
+        if s.proxy.config.data_path == "native":  # the relay speaks plain HTTP to its backends
+            tls = http("POST", s.url + "/admin/backends", {"url": "https://127.0.0.1:9"}, auth)
+            assert tls[0] == 400 and b"TLS" in tls[2]
+            assert s.proxy.router.num_instances == 2
         # Re-adding a removed URL brings its index back.
         status, _, raw = http("POST", s.url + "/admin/backends", {"url": s.engine_urls[0]}, auth)
         assert status == 201 and json.loads(raw)["index"] == 0

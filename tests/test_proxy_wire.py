@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("data_path")
 
 
 class Backend:
-    """A fake engine: echoes bodies, streams ``n`` chunks of ``size`` bytes on request, and
-    records the client ports it saw."""
+    """A fake engine: echoes bodies, streams ``n`` chunks of ``size`` bytes on request (with
+    ``pause`` seconds before each), and records the client ports it saw."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
@@ -51,6 +52,7 @@ class Backend:
         await resp.prepare(request)
         n, size = body.get("n", 2), body.get("size", 8)
         for i in range(n):
+            await asyncio.sleep(body.get("pause", 0))
             await resp.write(b"data: " + str(i % 10).encode() * size + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -324,3 +326,29 @@ def test_side_endpoints_without_unix_sockets(monkeypatch: pytest.MonkeyPatch) ->
         assert proxy._side_address[0] == "http"
         status, _, raw = http("GET", url + "/health")
         assert status == 200 and json.loads(raw)["backends_up"] == 1
+
+
+def test_closing_lets_streams_finish_for_the_grace_period() -> None:
+    """Closing the proxy: no new connections; a stream that ends within the grace period
+    (0.5 s here) ends normally, one that does not is cut; the router's counters go back to
+    zero either way."""
+    with ServerThread() as st:
+        backend = Backend()
+        proxy = Proxy(ProxyConfig(backends=[st.start(backend.app())]))
+        url = st.start(proxy)
+        with connect(url) as short, connect(url) as long:
+            short.sendall(post({"prompt": [1], "stream": True, "n": 3, "pause": 0.1}))
+            long.sendall(post({"prompt": [2], "stream": True, "n": 40, "pause": 0.1}))
+            time.sleep(0.15)
+            closing = threading.Thread(target=st.stop, args=(url,))
+            closing.start()
+            head, body = Reader(short).response()
+            assert head.status == 200 and body.count(b"data: ") == 4
+            cut = b""
+            while got := long.recv(65536):
+                cut += got
+            closing.join()
+        assert b"0\r\n\r\n" not in cut and 3 <= cut.count(b"data: ") < 41
+        wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+        with pytest.raises(OSError):
+            connect(url).close()

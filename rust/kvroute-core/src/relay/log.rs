@@ -4,7 +4,7 @@
 //! data path writes.
 //!
 //! Lines are buffered and written out at least once a second (on the next decision, or by
-//! [`DecisionLog::flush`]). O(instances) per decision; shared by all connection threads
+//! [`DecisionLog::flush`]). O(instances) per decision; shared by all the relay's tasks
 //! behind one mutex.
 
 use std::fs::{File, OpenOptions};

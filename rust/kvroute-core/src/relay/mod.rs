@@ -237,10 +237,10 @@ impl Relay {
 }
 
 impl Drop for Relay {
+    /// Stop at once without waiting for the relay's thread, which may be waiting for
+    /// whatever the dropping thread holds (the GIL, for one): it ends by itself.
     fn drop(&mut self) {
-        if self.thread.is_some() {
-            self.stop(Duration::ZERO);
-        }
+        self.shared.stop.send_replace(Some(Duration::ZERO));
     }
 }
 

@@ -1,8 +1,8 @@
 //! The relay's counters and latency histograms, per backend, for the proxy's Prometheus
 //! metrics (the Python side reads a [`Stats::snapshot`] at scrape time and labels it).
 //!
-//! Every update is a few relaxed atomic adds: O(1) (O(buckets) for a histogram). Shared by all
-//! connection threads; backends are added under a short write lock.
+//! Every update is a few relaxed atomic adds: O(1) (O(buckets) for a histogram). Shared by the
+//! relay's tasks and the scrapes; backends are added under a short write lock.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};

@@ -2,7 +2,7 @@
 //! off such a connection as it arrives.
 //!
 //! [`Pool`] keeps idle connections per address, newest first; one idle for longer than its
-//! limit, or that the backend has closed (seen by a zero-time poll), is dropped instead of
+//! limit, or that the backend has closed (a non-blocking read sees its end), is dropped instead of
 //! handed out. [`Exchange`] sends one request and reads its response: the head (interim 1xx
 //! answers skipped), then the body piece by piece, each wait bounded by the read timeout
 //! (which restarts with every byte) and watching the client's socket meanwhile, so a client
