@@ -17,16 +17,17 @@
 
 use std::sync::atomic::Ordering;
 
-use super::front::{error_json, upstream_request, without, Down, Request, DROP, HOP};
+use super::front::{upstream_request, without, Request, DROP, HOP};
 use super::http::Headers;
 use super::log::{Record, Terms};
+use super::reply::{error_json, Down};
 use super::stats::{BackendStats, ErrorKind};
 use super::upstream::{Exchange, ReadError, Watch};
+use super::usage::{usage, Tail};
 use super::{lock, Backend, Keyed, Refusal, Shared};
 use crate::{Decision, Error, Id};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
-const TAIL: usize = 2048;
 
 /// An attempt that failed before any byte reached the client.
 struct Fail {
@@ -282,7 +283,7 @@ impl Attempt<'_> {
             let body = ex.whole_body(w, timeout).await.map_err(gone_or_fail)?;
             ex.finish(&sh.pool);
             success(sh, i, b);
-            self.usage(&body);
+            usage(self.bs, &body);
             self.bs.e2e.observe(self.req.t0.elapsed());
             down.send(head.status, &answer, &body, None).await;
             return Ok(());
@@ -324,7 +325,7 @@ impl Attempt<'_> {
         }
         down.write(&[], true).await;
         ex.finish(&sh.pool);
-        self.usage(&tail.0);
+        usage(self.bs, tail.bytes());
         self.bs.e2e.observe(self.req.t0.elapsed());
         Ok(())
     }
@@ -340,58 +341,5 @@ impl Attempt<'_> {
         event.extend_from_slice(&err);
         event.extend_from_slice(b"\n\n");
         down.write(&event, true).await;
-    }
-
-    fn usage(&self, data: &[u8]) {
-        if let Some(n) = last_number(data, b"\"cached_tokens\"") {
-            self.bs.reported.fetch_add(n, Ordering::Relaxed);
-        }
-        if let Some(n) = last_number(data, b"\"prompt_tokens\"") {
-            self.bs.prompt.fetch_add(n, Ordering::Relaxed);
-        }
-    }
-}
-
-/// The last bytes of a stream (where its usage is).
-#[derive(Default)]
-struct Tail(Vec<u8>);
-
-impl Tail {
-    fn push(&mut self, data: &[u8]) {
-        self.0.extend_from_slice(data);
-        if self.0.len() > 2 * TAIL {
-            self.0.drain(..self.0.len() - TAIL);
-        }
-    }
-}
-
-/// The number of the last `key : digits` in `data` (JSON whitespace allowed around `:`).
-fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
-    let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
-    let mut end = data.len();
-    while let Some(at) = data[..end].iter().rposition(|&c| c == key[0]) {
-        end = at;
-        let Some(rest) = data[at..].strip_prefix(key) else { continue };
-        let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
-        let Some(rest) = rest[start..].strip_prefix(b":") else { continue };
-        let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
-        let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
-        if let Ok(n) = std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse() {
-            return Some(n);
-        }
-    }
-    None
-}
-
-#[cfg(test)]
-mod tests {
-    use super::last_number;
-
-    #[test]
-    fn usage_numbers_are_the_last_ones() {
-        let data = br#"{"usage":{"prompt_tokens": 12,"prompt_tokens_details":{"cached_tokens" : 8}}} {"cached_tokens":9}"#;
-        assert_eq!(last_number(data, br#""cached_tokens""#), Some(9));
-        assert_eq!(last_number(data, br#""prompt_tokens""#), Some(12));
-        assert_eq!(last_number(b"\"cached_tokens\": x", br#""cached_tokens""#), None);
     }
 }

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::front::json_str;
+use super::reply::json_str;
 use crate::{Decision, Id, Router};
 
 /// Per-instance score terms before a decision.

@@ -5,9 +5,11 @@
 //! - [`http`]: HTTP/1.1 framing (heads, bodies, chunks).
 //! - [`io`]: TCP and Unix stream sockets, polling two of them at once.
 //! - [`upstream`]: keep-alive connections to the backends and reading one response.
-//! - `front`: a client connection: reading requests, refusing bad ones, answering.
+//! - `front`: a client connection: reading requests, refusing bad ones.
+//! - `reply`: the answer writer and error bodies.
 //! - `forward`: one generation request: key, route, send, retry, relay, finish.
-//! - [`stats`]: counters and histograms for the metrics; `log`: the JSONL decision log.
+//! - [`stats`]: counters and histograms for the metrics; `usage`: the usage an answer
+//!   reports; `log`: the JSONL decision log.
 //!
 //! One event-loop thread (a single-threaded tokio runtime) serves every connection: a
 //! relayed chunk costs one read and one write, with no interpreter and no thread switch.
@@ -26,8 +28,10 @@ mod front;
 pub mod http;
 pub mod io;
 mod log;
+mod reply;
 pub mod stats;
 pub mod upstream;
+mod usage;
 
 use std::net::TcpListener;
 use std::path::PathBuf;

@@ -14,11 +14,13 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::pin::Pin;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
+use tokio::time::Sleep;
 
 use super::http::{head_end, parse_response_head, BodyReader, HttpError, ResponseHead, MAX_HEAD};
 use super::io::{Address, Stream};
@@ -164,6 +166,9 @@ pub struct Exchange {
     pub received: usize,
     buf: Vec<u8>,
     reader: Option<BodyReader>,
+    /// The read timeout's timer, and when the last byte came (or the request went out).
+    deadline: Option<Pin<Box<Sleep>>>,
+    last_byte: Instant,
     keep: bool,
     done: bool,
     bodiless: bool,
@@ -174,7 +179,17 @@ impl Exchange {
     /// whatever its headers say (a `HEAD` request).
     pub async fn send(mut up: Upstream, data: &[u8], bodiless: bool) -> (Self, io::Result<()>) {
         let sent = up.stream.write_all(data).await;
-        let ex = Self { up, received: 0, buf: Vec::new(), reader: None, keep: true, done: false, bodiless };
+        let ex = Self {
+            up,
+            received: 0,
+            buf: Vec::new(),
+            reader: None,
+            deadline: None,
+            last_byte: Instant::now(),
+            keep: true,
+            done: false,
+            bodiless,
+        };
         (ex, sent)
     }
 
@@ -183,9 +198,10 @@ impl Exchange {
         self.up.uses > 0
     }
 
+    /// Read more of the response into `buf`. The read timeout restarts with every byte; its
+    /// timer is set once per exchange and moved on only when it fires early.
     async fn fill(&mut self, watch: &mut Watch<'_>, timeout: Duration) -> Result<usize, ReadError> {
-        let deadline = tokio::time::sleep(timeout);
-        tokio::pin!(deadline);
+        let deadline = self.deadline.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
         self.buf.reserve(READ_SIZE);
         loop {
             let watching = watch.client.is_some();
@@ -194,13 +210,20 @@ impl Exchange {
                 got = self.up.stream.read_buf(&mut self.buf) => match got {
                     Ok(n) => {
                         self.received += n;
+                        self.last_byte = Instant::now();
                         return Ok(n);
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => return Err(e.into()),
                 },
                 got = watch.readable(), if watching => got?,
-                () = &mut deadline => return Err(ReadError::Timeout),
+                () = deadline.as_mut() => {
+                    let due = self.last_byte + timeout;
+                    if Instant::now() >= due {
+                        return Err(ReadError::Timeout);
+                    }
+                    deadline.as_mut().reset(due.into());
+                }
             }
         }
     }

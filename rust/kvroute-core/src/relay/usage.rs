@@ -1,0 +1,70 @@
+//! What an answer says about its usage: the engine's reported `prompt_tokens` and
+//! `cached_tokens` (vLLM's `prompt_tokens_details`), found in a whole body or in the last
+//! bytes of a stream, for the metrics.
+//!
+//! O(tail bytes) per answer; stateless apart from a [`Tail`] of one stream.
+
+use std::sync::atomic::Ordering;
+
+use super::stats::BackendStats;
+
+const TAIL: usize = 2048;
+
+/// Count the usage numbers of an answer (`data`: its body, or a stream's tail).
+pub(super) fn usage(bs: &BackendStats, data: &[u8]) {
+    if let Some(n) = last_number(data, b"\"cached_tokens\"") {
+        bs.reported.fetch_add(n, Ordering::Relaxed);
+    }
+    if let Some(n) = last_number(data, b"\"prompt_tokens\"") {
+        bs.prompt.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// The last bytes of a stream (where its usage is).
+#[derive(Default)]
+pub(super) struct Tail(Vec<u8>);
+
+impl Tail {
+    /// The last bytes so far (at least the last 2 KiB).
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    pub fn push(&mut self, data: &[u8]) {
+        self.0.extend_from_slice(data);
+        if self.0.len() > 2 * TAIL {
+            self.0.drain(..self.0.len() - TAIL);
+        }
+    }
+}
+
+/// The number of the last `key : digits` in `data` (JSON whitespace allowed around `:`).
+fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
+    let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+    let mut end = data.len();
+    while let Some(at) = data[..end].iter().rposition(|&c| c == key[0]) {
+        end = at;
+        let Some(rest) = data[at..].strip_prefix(key) else { continue };
+        let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
+        let Some(rest) = rest[start..].strip_prefix(b":") else { continue };
+        let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
+        let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+        if let Ok(n) = std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse() {
+            return Some(n);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_number;
+
+    #[test]
+    fn usage_numbers_are_the_last_ones() {
+        let data = br#"{"usage":{"prompt_tokens": 12,"prompt_tokens_details":{"cached_tokens" : 8}}} {"cached_tokens":9}"#;
+        assert_eq!(last_number(data, br#""cached_tokens""#), Some(9));
+        assert_eq!(last_number(data, br#""prompt_tokens""#), Some(12));
+        assert_eq!(last_number(b"\"cached_tokens\": x", br#""cached_tokens""#), None);
+    }
+}
