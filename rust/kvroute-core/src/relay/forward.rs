@@ -24,7 +24,8 @@ use super::reply::{error_json, Down};
 use super::stats::{BackendStats, ErrorKind};
 use super::upstream::{Exchange, ReadError, Watch};
 use super::usage::{usage, Tail};
-use super::{lock, Backend, Keyed, Refusal, Shared};
+use super::{Backend, Keyed, Refusal, Shared};
+use crate::jobs::locked;
 use crate::{Decision, Error, Id};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
@@ -78,7 +79,7 @@ struct Finish<'a>(&'a Shared, Id);
 
 impl Drop for Finish<'_> {
     fn drop(&mut self) {
-        lock(&self.0.router).finish(&self.1);
+        locked(&self.0.router).finish(&self.1);
     }
 }
 
@@ -153,7 +154,7 @@ pub(super) async fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, mut
                 return;
             }
             Err(Outcome::Fail(f)) => {
-                lock(&sh.router).finish(&rid);
+                locked(&sh.router).finish(&rid);
                 bs.error(f.kind);
                 failure(sh, i, &b);
                 tried.push(i);
@@ -195,7 +196,7 @@ async fn key(sh: &Shared, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
 /// Route, with the backends already tried hidden for this one decision; the score terms
 /// before it when the decision log wants them.
 fn route(sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> crate::Result<(Decision, Option<Terms>)> {
-    let mut router = lock(&sh.router);
+    let mut router = locked(&sh.router);
     let terms = sh.log.as_ref().map(|_| Terms::read(&router, &k.keys, k.input_length));
     let hidden: Vec<usize> = tried.iter().copied().filter(|&i| router.is_available(i)).collect();
     for &i in &hidden {
@@ -299,7 +300,7 @@ impl Attempt<'_> {
             )
             .into());
         }
-        lock(&sh.router).first_token(self.rid);
+        locked(&sh.router).first_token(self.rid);
         self.bs.ttft.observe(self.req.t0.elapsed());
         success(sh, i, b);
         down.start(200, &answer, &piece).await;

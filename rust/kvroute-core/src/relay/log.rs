@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::reply::json_str;
+use crate::jobs::locked;
 use crate::{Decision, Id, Router};
 
 /// Per-instance score terms before a decision.
@@ -91,7 +92,7 @@ impl DecisionLog {
         );
         line.extend_from_slice(&r.terms.0);
         line.extend_from_slice(b"}\n");
-        let mut out = super::lock(&self.out);
+        let mut out = locked(&self.out);
         let _ = out.0.write_all(&line);
         if out.1.elapsed() >= Duration::from_secs(1) {
             let _ = out.0.flush();
@@ -100,7 +101,7 @@ impl DecisionLog {
     }
 
     pub fn flush(&self) {
-        let mut out = super::lock(&self.out);
+        let mut out = locked(&self.out);
         let _ = out.0.flush();
         out.1 = Instant::now();
     }

@@ -3,7 +3,7 @@
 //!
 //! - [`body`]: keying a token-id completions body without the hooks.
 //! - [`http`]: HTTP/1.1 framing (heads, bodies, chunks).
-//! - [`io`]: TCP and Unix stream sockets, polling two of them at once.
+//! - [`io`]: TCP and Unix stream sockets, connecting with a time limit.
 //! - [`upstream`]: keep-alive connections to the backends and reading one response.
 //! - `front`: a client connection: reading requests, refusing bad ones.
 //! - `reply`: the answer writer and error bodies.
@@ -36,7 +36,7 @@ mod usage;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -46,11 +46,6 @@ use crate::{Id, Router};
 use io::Address;
 use stats::Stats;
 use upstream::Pool;
-
-/// Lock a mutex; a panic elsewhere leaves the data usable (each update is a single step).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// How a relay runs.
 #[derive(Debug, Clone)]

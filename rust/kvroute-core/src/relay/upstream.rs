@@ -24,6 +24,7 @@ use tokio::time::Sleep;
 
 use super::http::{head_end, parse_response_head, BodyReader, HttpError, ResponseHead, MAX_HEAD};
 use super::io::{Address, Stream};
+use crate::jobs::locked;
 
 const READ_SIZE: usize = 16 << 10;
 
@@ -55,7 +56,7 @@ impl Pool {
     pub async fn acquire(&self, address: &Address, fresh: bool) -> io::Result<Upstream> {
         if !fresh {
             loop {
-                let got = super::lock(&self.idle).get_mut(address).and_then(Vec::pop);
+                let got = locked(&self.idle).get_mut(address).and_then(Vec::pop);
                 let Some(up) = got else { break };
                 if up.idle_since.elapsed() < self.idle_timeout && !up.stream.closed_by_peer() {
                     return Ok(up);
@@ -69,13 +70,13 @@ impl Pool {
     fn release(&self, mut up: Upstream) {
         up.uses += 1;
         up.idle_since = Instant::now();
-        super::lock(&self.idle).entry(up.address.clone()).or_default().push(up);
+        locked(&self.idle).entry(up.address.clone()).or_default().push(up);
     }
 
     /// Close connections idle for longer than the limit.
     pub fn sweep(&self) {
         let limit = self.idle_timeout;
-        let mut idle = super::lock(&self.idle);
+        let mut idle = locked(&self.idle);
         for conns in idle.values_mut() {
             conns.retain(|up| up.idle_since.elapsed() < limit);
         }
@@ -84,7 +85,7 @@ impl Pool {
 
     /// Close every idle connection.
     pub fn clear(&self) {
-        super::lock(&self.idle).clear();
+        locked(&self.idle).clear();
     }
 }
 
