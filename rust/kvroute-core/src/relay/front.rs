@@ -19,8 +19,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use super::http::MAX_HEAD;
-use super::http::{head_end, parse_request_head, response_head, BodyReader, HttpError, RequestHead};
+use super::http::{
+    head_end, parse_request_head, response_head, BodyReader, HttpError, RequestHead, MAX_HEAD,
+};
 use super::reply::{error_json, Down};
 use super::upstream::{Exchange, ReadError, Watch};
 use super::Shared;
