@@ -127,7 +127,7 @@ def proxy(**kw: Any) -> None:
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
-    _serve(app, kw, "proxy")
+    _serve(app, kw, f"proxy ({config.data_path} data path)")
 
 
 def _serve(app: Any, kw: dict[str, Any], what: str) -> None:
