@@ -110,3 +110,16 @@ def test_key_body_parse(benchmark: Any, n: int) -> None:
     keys, got = benchmark(lambda: loop.run_until_complete(parse()))
     loop.close()
     assert got == n and len(keys) == -(-n // 512)
+
+
+@pytest.mark.parametrize("n", [512, 44_000])
+def test_key_body_relay(benchmark: Any, n: int) -> None:
+    """The native data path's way: the relay keys the body in Rust (prompt scan, strict JSON
+    check of the rest, ``stream`` and session fields), no Python and no event loop."""
+    from kvroute._core import relay_token_prompt
+
+    raw = _body(n)
+    benchmark.group = f"key a body {n}"
+    benchmark.extra_info.update(kind="key_body", impl="relay", tokens=n)
+    got = benchmark(relay_token_prompt, raw, 512, "session_id", None)
+    assert got is not None and got[1] == n and len(got[0]) == -(-n // 512) and got[2] is True
