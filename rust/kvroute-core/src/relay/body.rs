@@ -17,7 +17,8 @@ use crate::Id;
 
 use super::Keyed;
 
-const MAX_DEPTH: usize = 64;
+/// Levels of nesting checked, the body's own object included (64 inside it).
+const MAX_DEPTH: usize = 65;
 
 /// The routing inputs of a completions `body` (see the module doc); `session_header`: the
 /// session header's value, which wins over the body's field.
@@ -33,42 +34,32 @@ pub fn token_prompt(
     let mut stream = false;
     let mut session: Option<Id> = None;
     j.ws();
-    j.eat(b'{')?;
-    j.ws();
-    if j.eat(b'}').is_none() {
-        loop {
-            j.ws();
-            let (key, escaped) = j.string()?;
-            j.ws();
-            j.eat(b':')?;
-            j.ws();
-            let start = j.pos;
-            if start == prompt.start {
-                j.pos = prompt.end; // the scan has read the prompt's ids
-            } else {
-                j.value()?;
-            }
-            let value = &body[start..j.pos];
-            if escaped {
-                return None; // which field it names is the parser's business
-            }
-            if key == b"stream" {
-                stream = match value {
-                    b"true" => true,
-                    b"false" => false,
-                    _ => return None,
-                };
-            } else if session_field.is_some_and(|f| f.as_bytes() == key) {
-                session = session_value(value)?;
-            }
-            j.ws();
-            match j.next()? {
-                b',' => {}
-                b'}' => break,
-                _ => return None,
-            }
-        }
+    if j.b.get(j.pos) != Some(&b'{') {
+        return None;
     }
+    j.items(&mut |j, key| {
+        let (key, escaped) = key?;
+        let start = j.pos;
+        if start == prompt.start {
+            j.pos = prompt.end; // the scan has read the prompt's ids
+        } else {
+            j.value()?;
+        }
+        if escaped {
+            return None; // which field it names is the parser's business
+        }
+        let value = &body[start..j.pos];
+        if key == b"stream" {
+            stream = match value {
+                b"true" => true,
+                b"false" => false,
+                _ => return None,
+            };
+        } else if session_field.is_some_and(|f| f.as_bytes() == key) {
+            session = session_value(value)?;
+        }
+        Some(())
+    })?;
     j.ws();
     if j.pos != body.len() {
         return None;
@@ -185,6 +176,45 @@ impl<'a> Json<'a> {
         Some(())
     }
 
+    /// The items of an array or the members of an object (`pos` at its opening bracket),
+    /// each read by `each`, which is given a member's key and whether the key holds an
+    /// escape (None for an array's items).
+    fn items(
+        &mut self,
+        each: &mut dyn FnMut(&mut Self, Option<(&'a [u8], bool)>) -> Option<()>,
+    ) -> Option<()> {
+        let open = self.next()?;
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return None;
+        }
+        let close = if open == b'[' { b']' } else { b'}' };
+        self.ws();
+        if self.eat(close).is_none() {
+            loop {
+                self.ws();
+                let key = if open == b'{' {
+                    let key = self.string()?;
+                    self.ws();
+                    self.eat(b':')?;
+                    self.ws();
+                    Some(key)
+                } else {
+                    None
+                };
+                each(self, key)?;
+                self.ws();
+                match self.next()? {
+                    b',' => {}
+                    c if c == close => break,
+                    _ => return None,
+                }
+            }
+        }
+        self.depth -= 1;
+        Some(())
+    }
+
     /// Check and skip one value (`pos` at its first byte).
     fn value(&mut self) -> Option<()> {
         match *self.b.get(self.pos)? {
@@ -193,35 +223,7 @@ impl<'a> Json<'a> {
             b'f' => self.literal(b"false"),
             b'n' => self.literal(b"null"),
             b'-' | b'0'..=b'9' => self.number(),
-            open @ (b'[' | b'{') => {
-                self.depth += 1;
-                if self.depth > MAX_DEPTH {
-                    return None;
-                }
-                self.pos += 1;
-                let close = if open == b'[' { b']' } else { b'}' };
-                self.ws();
-                if self.eat(close).is_none() {
-                    loop {
-                        self.ws();
-                        if open == b'{' {
-                            self.string()?;
-                            self.ws();
-                            self.eat(b':')?;
-                            self.ws();
-                        }
-                        self.value()?;
-                        self.ws();
-                        match self.next()? {
-                            b',' => {}
-                            c if c == close => break,
-                            _ => return None,
-                        }
-                    }
-                }
-                self.depth -= 1;
-                Some(())
-            }
+            b'[' | b'{' => self.items(&mut |j, _| j.value()),
             _ => None,
         }
     }
@@ -274,7 +276,8 @@ mod tests {
         ] {
             assert_eq!(key(body, None), None, "{body}");
         }
-        let deep = format!(r#"{{"prompt": [1], "x": {}{}}}"#, "[".repeat(70), "]".repeat(70));
-        assert_eq!(key(&deep, None), None);
+        let nested = |n: usize| format!(r#"{{"prompt": [1], "x": {}{}}}"#, "[".repeat(n), "]".repeat(n));
+        assert_eq!(key(&nested(65), None), None);
+        assert_eq!(key(&nested(64), None), Some((1, false, None)));
     }
 }
