@@ -19,9 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use super::http::{
-    head_end, parse_request_head, response_head, BodyReader, HttpError, RequestHead, MAX_HEAD,
-};
+use super::http::{head_end, parse_request_head, BodyReader, HttpError, RequestHead, MAX_HEAD};
 use super::reply::{error_json, Down};
 use super::upstream::{Exchange, ReadError, Watch};
 use super::Shared;
@@ -101,7 +99,7 @@ pub(super) async fn serve(sh: Arc<Shared>, stream: TcpStream) {
             Ok(Some(req)) => req,
             Ok(None) => return,
             Err(e) => {
-                refuse(&mut wr, &e).await;
+                refuse(&sh, &mut wr, &e).await;
                 return;
             }
         };
@@ -176,15 +174,10 @@ async fn read_request(
     }
 }
 
-async fn refuse(wr: &mut OwnedWriteHalf, e: &HttpError) {
+async fn refuse(sh: &Shared, wr: &mut OwnedWriteHalf, e: &HttpError) {
     let kind = if e.status == 505 { "not_supported" } else { "invalid_request_error" };
     let body = error_json(&e.message, kind, e.status);
-    let n = body.len().to_string();
-    let mut out = Vec::new();
-    let headers = [("content-type", "application/json"), ("content-length", &n), ("connection", "close")];
-    response_head(e.status, &headers, &mut out);
-    out.extend_from_slice(&body);
-    let _ = wr.write_all(&out).await;
+    Down::closing(wr, sh.config.request_timeout).send_json(e.status, &body).await;
 }
 
 /// The client's socket watched while an upstream answer is awaited.

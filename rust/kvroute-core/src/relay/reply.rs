@@ -11,7 +11,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 
 use super::http::{chunk, response_head, RequestHead, LAST_CHUNK};
 
-/// Appends `s` as a JSON string; `ascii`: escape non-ASCII as `\uXXXX` (as Python's `json`).
+/// Appends `s` as a JSON string; `ascii`: escape DEL and non-ASCII as `\uXXXX` (as Python's `json`).
 pub(super) fn json_str(s: &str, ascii: bool, out: &mut Vec<u8>) {
     out.push(b'"');
     for c in s.chars() {
@@ -67,6 +67,11 @@ impl<'a> Down<'a> {
     ) -> Self {
         let (http11, keep) = (head.version >= (1, 1), head.keep_alive());
         Self { stream, http11, keep, state: 0, gone: false, out: Vec::new(), limit }
+    }
+
+    /// A writer for the one answer before the connection closes (a refused request).
+    pub(super) fn closing(stream: &'a mut OwnedWriteHalf, limit: std::time::Duration) -> Self {
+        Self { stream, http11: true, keep: false, state: 0, gone: false, out: Vec::new(), limit }
     }
 
     pub fn complete(&self) -> bool {
