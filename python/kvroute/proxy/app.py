@@ -85,9 +85,10 @@ class Proxy:
         :meth:`close` lets running requests finish."""
         c = self.config
         self._grace = grace
-        self.upstreams = self.forwarder.upstreams = UpstreamPool(
-            c.connect_timeout_s, c.request_timeout_s
-        )
+        if not self.native:  # the relay keeps upstream connections of its own
+            self.upstreams = self.forwarder.upstreams = UpstreamPool(
+                c.connect_timeout_s, c.request_timeout_s
+            )
         self._side = app_runner(self.side_app(), grace)
         await self._side.setup()
         try:
