@@ -92,6 +92,10 @@ fn session_value(value: &[u8]) -> Option<Option<Id>> {
     }
 }
 
+/// What reads one item of [`Json::items`]: the reader, and a member's key with whether it
+/// holds an escape (None for an array's item).
+type Each<'f, 'a> = dyn FnMut(&mut Json<'a>, Option<(&'a [u8], bool)>) -> Option<()> + 'f;
+
 /// A strict JSON reader that only checks and skips.
 struct Json<'a> {
     b: &'a [u8],
@@ -179,10 +183,7 @@ impl<'a> Json<'a> {
     /// The items of an array or the members of an object (`pos` at its opening bracket),
     /// each read by `each`, which is given a member's key and whether the key holds an
     /// escape (None for an array's items).
-    fn items(
-        &mut self,
-        each: &mut dyn FnMut(&mut Self, Option<(&'a [u8], bool)>) -> Option<()>,
-    ) -> Option<()> {
+    fn items(&mut self, each: &mut Each<'_, 'a>) -> Option<()> {
         let open = self.next()?;
         self.depth += 1;
         if self.depth > MAX_DEPTH {
