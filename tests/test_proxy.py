@@ -137,7 +137,30 @@ class Recorder:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
+        for method, path in [("POST", "/tokenize"), ("GET", "/v1/models"), ("GET", "/metrics")]:
+            app.router.add_route(method, path, self.echo)
+        app.router.add_post("/reset_prefix_cache", self.reset)
+        self.resets = 0
+        self.refuse_reset = False
         return app
+
+    async def echo(self, request: web.Request) -> web.Response:
+        """What the request was, as JSON, with a header of the engine's own."""
+        seen = {
+            "method": request.method,
+            "path": request.path,
+            "query": request.query_string,
+            "content_type": request.headers.get("Content-Type"),
+            "x_client": request.headers.get("X-Client"),
+            "body": (await request.read()).decode(),
+        }
+        return web.json_response(seen, headers={"X-Engine": "e"})
+
+    async def reset(self, _r: web.Request) -> web.Response:
+        if self.refuse_reset:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        self.resets += 1
+        return web.Response()
 
     async def health(self, _r: web.Request) -> web.Response:
         return web.Response()
@@ -180,6 +203,48 @@ def test_bodies_pass_through_unchanged(recorded: tuple) -> None:
     assert rec.headers[-1]["Authorization"] == "Bearer k"
     assert rec.headers[-1]["X-Session-Id"] == "s"
     assert headers["X-Kvroute-Instance"] == "0"
+
+
+def test_engine_endpoints_keep_the_request_as_it_came(recorded: tuple) -> None:
+    """``/tokenize`` reached vLLM without its content type (vLLM then answers 400): every
+    relayed request keeps its method, path, query, body and end-to-end headers."""
+    _, url, _, _ = recorded
+    body = b'{"model": "tiny", "prompt": "hi"}'
+    headers = {"Content-Type": "application/json", "X-Client": "c"}
+    status, got_headers, raw = http("POST", url + "/tokenize?x=1&y=2", body, headers)
+    assert status == 200 and got_headers["X-Engine"] == "e"
+    assert json.loads(raw) == {
+        "method": "POST",
+        "path": "/tokenize",
+        "query": "x=1&y=2",
+        "content_type": "application/json",
+        "x_client": "c",
+        "body": body.decode(),
+    }
+    assert json.loads(http("GET", url + "/v1/models")[2])["path"] == "/v1/models"
+    status, _, raw = http("GET", url + "/backends/0/metrics")
+    assert status == 200 and json.loads(raw)["path"] == "/metrics"
+    assert http("GET", url + "/backends/0/health")[0] == 200
+    assert http("GET", url + "/backends/7/health")[0] == 404
+
+
+def test_reset_prefix_cache_reaches_every_backend_and_the_router(recorded: tuple) -> None:
+    _, url, rec, proxy = recorded
+    http("POST", url + "/v1/completions", {"prompt": [1, 2, 3] * 300, "max_tokens": 1})
+    assert proxy.router.state()[0]["cached_blocks"] > 0
+    before = rec.resets
+    status, _, raw = http("POST", url + "/reset_prefix_cache", b"")
+    assert status == 200 and json.loads(raw)["reset"] == [proxy.pool.get(0).url]
+    assert rec.resets == before + 1 and proxy.router.state()[0]["cached_blocks"] == 0
+    http("POST", url + "/v1/completions", {"prompt": [1, 2, 3] * 300, "max_tokens": 1})
+    rec.refuse_reset = True
+    try:
+        status, _, raw = http("POST", url + "/reset_prefix_cache", b"")
+    finally:
+        rec.refuse_reset = False
+    message = json.loads(raw)["error"]["message"]
+    assert status == 502 and "backend 0" in message and "VLLM_SERVER_DEV_MODE" in message
+    assert proxy.router.state()[0]["cached_blocks"] > 0  # not reset: the model stays
 
 
 def test_streams_are_relayed_chunk_by_chunk(recorded: tuple) -> None:

@@ -211,3 +211,40 @@ def test_health_checks_take_backends_down_and_up() -> None:
         wait_until(lambda: s.state()[0]["available"], what="backend 0 up again")
         assert http("POST", s.url + "/v1/completions", {"prompt": [1], "max_tokens": 1})[0] == 200
         s.assert_counters_zero()
+
+
+def _metric_total(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def test_a_client_that_hangs_up_at_done_completed_its_request() -> None:
+    """The ``openai`` client closes a stream as soon as it reads ``data: [DONE]``; vLLM writes
+    the body's last chunk a moment later. Such a stream is complete: its usage is counted and
+    no client disconnect is recorded."""
+    with Stack(2, proxy={"policy": "round_robin"}) as s:
+        for emulator in s.emulators:
+            emulator.faults = FaultConfig(done_gap_s=0.05)
+        seen = 0
+        with openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0) as client:
+            for i in range(30):
+                chunks = client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"question {i} " * (i + 1)}],
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                usage = [c.usage for c in chunks if c.usage is not None]
+                assert len(usage) == 1
+                seen += usage[0].prompt_tokens
+        s.assert_counters_zero()
+        text = http("GET", s.url + "/metrics")[2].decode()
+        assert _metric_total(text, "kvroute_proxy_prompt_tokens_total") == seen
+        assert 'kind="client_disconnect"' not in text

@@ -5,7 +5,9 @@ disjoint faults (the rates add up to at most 1): with probability ``error_rate``
 ``error_status`` with an OpenAI-style error at once; with probability ``stall_rate`` it waits
 ``stall_s`` seconds before anything happens (no byte sent); with probability ``die_rate`` the
 connection is closed after ``die_after_tokens`` tokens have been sent (no clean end).
-``unhealthy`` makes ``/health`` answer 503. Fields may be changed while the server runs
+``unhealthy`` makes ``/health`` answer 503. ``done_gap_s`` waits that long between a stream's
+``data: [DONE]`` and the end of its chunked body, which vLLM writes separately (a client that
+closes at ``[DONE]``, as the ``openai`` package does, is then gone before the end). Fields may be changed while the server runs
 (from its loop's thread).
 
 O(1) per request; not thread-safe (owned by the server's loop).
@@ -31,6 +33,7 @@ class FaultConfig:
     die_rate: float = 0.0
     die_after_tokens: int = 1
     unhealthy: bool = False
+    done_gap_s: float = 0.0
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False, compare=False)
 

@@ -280,6 +280,8 @@ class Emulator:
             details = self.config.prompt_tokens_details
             tail += reply.usage_chunk(usage(n_in, sent, cached, details))
         await resp.write(tail + DONE)
+        if self.faults.done_gap_s:
+            await asyncio.sleep(self.faults.done_gap_s)
         await resp.write_eof()
         self._done(sent, reason, t0)
         return resp

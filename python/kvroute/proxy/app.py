@@ -5,8 +5,9 @@ Clients talk to the data path: by default the compiled relay (``kvroute._core.Re
 proxy's own HTTP/1.1 server on asyncio. ``POST /v1/completions`` and ``POST
 /v1/chat/completions`` are forwarded from there (by the relay itself, or :mod:`.handler`);
 every other request is relayed to an aiohttp application on a private
-Unix socket (a loopback port where there are no Unix sockets), which serves ``GET
-/v1/models`` and ``POST /tokenize`` (relayed from a live backend), ``GET /health`` (200
+Unix socket (a loopback port where there are no Unix sockets), which serves the
+engines' own endpoints (:mod:`.engines`: ``/v1/models``, ``/tokenize``, each backend's
+``/health`` and ``/metrics``, ``POST /reset_prefix_cache``), ``GET /health`` (200
 while a backend is up, else 503), ``GET /metrics`` (:mod:`.observe`) and the admin API
 (:mod:`.admin`) when there is a token. The aiohttp application also owns the health-check
 task, the decision-log flusher and the ``ClientSession`` of those side calls.
@@ -33,9 +34,10 @@ import aiohttp
 from aiohttp import web
 
 import kvroute
-from kvroute.proxy.admin import Admin, json_error
+from kvroute.proxy.admin import Admin
 from kvroute.proxy.backends import BackendPool
 from kvroute.proxy.config import ProxyConfig
+from kvroute.proxy.engines import EngineEndpoints
 from kvroute.proxy.front import FrontConnection, FrontServer, Request
 from kvroute.proxy.handler import DROP, HOP, Forwarder, upstream_request
 from kvroute.proxy.http1 import without
@@ -47,8 +49,6 @@ from kvroute.proxy.serving import app_runner, http_url
 from kvroute.proxy.upstream import Address, UpstreamPool
 
 log = logging.getLogger("kvroute.proxy")
-#: Time limit of the proxy's side calls to a backend (``/v1/models``, ``/tokenize``).
-AUX_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 
 
 class Proxy:
@@ -68,7 +68,8 @@ class Proxy:
         self.decision_log = (
             DecisionLog(config.decision_log) if config.decision_log and not self.native else None
         )
-        self.keyer = Keyer(config.tokenizer, config.block_size, self._remote_tokenize)
+        self.engines = EngineEndpoints(self.pool, self.router)
+        self.keyer = Keyer(config.tokenizer, config.block_size, self.engines.remote_tokenize)
         self.forwarder = Forwarder(
             config, self.router, self.pool, self.keyer, self.metrics, self.decision_log
         )
@@ -198,8 +199,7 @@ class Proxy:
         """The aiohttp application of everything but the forwarded requests."""
         app = web.Application(client_max_size=self.config.max_body_bytes)
         r = app.router
-        r.add_get("/v1/models", self._relay_get)
-        r.add_post("/tokenize", self._relay_post)
+        self.engines.routes(app)
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
         if self.config.admin_token:
@@ -221,6 +221,7 @@ class Proxy:
             auto_decompress=False,
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
+        self.engines.session = self.session
         tasks = [asyncio.create_task(self.pool.health_loop(self.session))]
         if self.config.decision_log:
             tasks.append(asyncio.create_task(self._flush_loop()))
@@ -247,43 +248,6 @@ class Proxy:
             self.decision_log.flush()
         if self._relay is not None:
             self._relay.flush_log()
-
-    async def _relay_once(self, method: str, path: str, data: bytes | None) -> web.Response:
-        assert self.session is not None
-        for b in self.pool.live():
-            try:
-                async with self.session.request(
-                    method, b.url + path, data=data, timeout=AUX_TIMEOUT
-                ) as resp:
-                    body = await resp.read()
-                    return web.Response(
-                        body=body, status=resp.status, content_type=resp.content_type
-                    )
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                continue
-        return json_error(503, "no backend is available", "service_unavailable")
-
-    async def _relay_get(self, request: web.Request) -> web.Response:
-        return await self._relay_once("GET", request.path, None)
-
-    async def _relay_post(self, request: web.Request) -> web.Response:
-        return await self._relay_once("POST", request.path, await request.read())
-
-    async def _remote_tokenize(self, query: dict[str, Any]) -> list[int] | None:
-        """Token ids from a live backend's ``/tokenize`` (None when none answers)."""
-        assert self.session is not None
-        for b in self.pool.live():
-            try:
-                async with self.session.post(
-                    b.url + "/tokenize", json=query, timeout=AUX_TIMEOUT
-                ) as resp:
-                    if resp.status == 200:
-                        tokens = (await resp.json()).get("tokens")
-                        if isinstance(tokens, list):
-                            return tokens
-            except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
-                continue
-        return None
 
     async def _health(self, _request: web.Request) -> web.Response:
         up = len(self.pool.live())

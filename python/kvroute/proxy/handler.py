@@ -202,7 +202,12 @@ class Forwarder:
             bm.e2e.observe(time.perf_counter() - req.t0)
             down.send(ex.status, _answer_headers(ex, b, info), body)
         except asyncio.CancelledError:
-            self.metrics.error("client_disconnect")
+            if ex is not None and isinstance(ex.relay, _Stream) and ex.relay.ended:
+                # Complete: a client may hang up between [DONE] and the body's last chunk.
+                self._usage(bm, ex.relay.tail)
+                bm.e2e.observe(time.perf_counter() - req.t0)
+            else:
+                self.metrics.error("client_disconnect")
             raise
         finally:
             if ex is not None:
@@ -288,7 +293,7 @@ class Forwarder:
         the backend failed)."""
         await ex.done
         down.follow(None)
-        if ex.error is not None:
+        if ex.error is not None and not stream.ended:
             timeout = isinstance(ex.error, TimeoutError)
             bm.error("timeout" if timeout else "midstream")
             self.pool.failure(b)
@@ -345,6 +350,12 @@ class _Stream:
     def __init__(self, down: FrontConnection, first: bytes) -> None:
         self.down = down
         self.tail = first[-_TAIL:]
+
+    @property
+    def ended(self) -> bool:
+        """Whether the last event so far is ``data: [DONE]`` (the engine is done)."""
+        end = self.tail.rstrip()
+        return end.endswith((b"data: [DONE]", b"data:[DONE]"))
 
     def __call__(self, data: bytes, end: bool) -> None:
         self.down.write(data, end)

@@ -211,11 +211,23 @@ impl ClusterCache {
         self.index.insert(key, Entry { inst: MANY, slot: at });
     }
 
+    /// Empty `inst`'s cache (its engine dropped every block). O(keys it held × holders).
+    pub fn clear_instance(&mut self, inst: usize) {
+        for key in self.lrus[inst].clear() {
+            self.unindex(inst, key);
+        }
+    }
+
     fn evict_one(&mut self, inst: usize) {
         let index = &self.index;
         let Some(victim) = self.lrus[inst].pop_back_prefetching(EVICT_AHEAD, |k| index.prefetch(k)) else {
             return;
         };
+        self.unindex(inst, victim);
+    }
+
+    /// Take `inst` out of the holders of `victim` (no longer in its LRU).
+    fn unindex(&mut self, inst: usize, victim: u64) {
         let i = inst as u32;
         let Some(entry) = self.index.get_mut(victim) else {
             return;
@@ -281,6 +293,23 @@ mod tests {
         c.walk(&[1, 2], &mut w);
         assert_eq!(w.matched(), vec![0, 1]);
         assert_eq!(c.distinct_keys(), 4); // 1, 5, 6, 8
+    }
+
+    #[test]
+    fn clearing_an_instance_leaves_the_others() {
+        let none = PrefixWalk::default();
+        let mut c = ClusterCache::new(2, Some(4));
+        c.touch_request(0, &[1, 2, 3], &none);
+        c.touch_request(1, &[1, 2, 9], &none);
+        c.clear_instance(0);
+        let mut w = PrefixWalk::default();
+        c.walk(&[1, 2, 3], &mut w);
+        assert_eq!(w.matched(), vec![0, 2]);
+        assert_eq!((c.cached_blocks(0), c.distinct_keys()), (0, 3));
+        c.touch_request(0, &[1, 5, 6, 7, 8], &none); // evicts again after the clear
+        assert_eq!(c.keys_mru(0), vec![1, 5, 6, 7]);
+        c.clear_instance(1);
+        assert_eq!(c.distinct_keys(), 4);
     }
 
     /// Touching with a walk's entries gives the same state as touching without, also when

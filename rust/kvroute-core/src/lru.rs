@@ -123,6 +123,13 @@ impl Lru {
         Some(t.key)
     }
 
+    /// Remove every key; returns them (in no particular order).
+    pub fn clear(&mut self) -> Vec<u64> {
+        let keys = self.slots.iter().filter(|s| s.stamp != 0).map(|s| s.key).collect();
+        *self = Self::new(self.evicts);
+        keys
+    }
+
     /// Keys from most to least recently touched (for tests and inspection).
     pub fn keys_mru(&self) -> Vec<u64> {
         let mut live: Vec<Slot> = self.slots.iter().copied().filter(|s| s.stamp != 0).collect();

@@ -310,6 +310,14 @@ impl Router {
         self.cache.lock().add_instance()
     }
 
+    /// Empty an instance's cache model (its engine's prefix cache was reset). Its counters
+    /// and in-flight requests stay.
+    pub fn clear_cache(&mut self, instance: i64) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        self.cache.lock().clear_instance(i);
+        Ok(())
+    }
+
     /// From now on, hand the cache model's touches to `sink` whenever its worker thread is
     /// idle (results stay identical; see `background.rs`). For a caller with other work
     /// between routes and a core to spare, such as the simulator.

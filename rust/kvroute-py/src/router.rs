@@ -191,6 +191,13 @@ impl PyRouter {
         self.lock().cached_keys(inst as i64).map_err(|e| to_py(instance.py(), e))
     }
 
+    /// Empty an instance's cache model (after its engine's prefix cache was reset); its
+    /// counters and in-flight requests stay.
+    fn clear_cache(&self, instance: &Bound<'_, PyAny>) -> PyResult<()> {
+        let inst = self.instance(instance)?;
+        self.lock().clear_cache(inst as i64).map_err(|e| to_py(instance.py(), e))
+    }
+
     /// The policy's name.
     #[getter]
     fn policy(&self) -> &'static str {

@@ -306,6 +306,9 @@ impl Attempt<'_> {
         down.start(200, &answer, &piece).await;
         let mut tail = Tail::default();
         tail.push(&piece);
+        // Once `data: [DONE]` went out the request is complete: a client that hangs up then
+        // (the openai package does, before the body's last chunk) or a backend that fails
+        // after it changes nothing but the connections.
         while !done && !down.gone {
             piece.clear();
             match ex.body(w, timeout, &mut piece).await {
@@ -314,14 +317,15 @@ impl Attempt<'_> {
                     down.write(&piece, end).await;
                     tail.push(&piece);
                 }
-                Err(ReadError::ClientGone) => return Err(Outcome::ClientGone),
+                Err(ReadError::ClientGone) => down.gone = true,
+                Err(_) if tail.ended() => break,
                 Err(e) => {
                     self.midstream(&e, down).await;
                     return Ok(());
                 }
             }
         }
-        if down.gone {
+        if down.gone && !tail.ended() {
             return Err(Outcome::ClientGone);
         }
         down.write(&[], true).await;

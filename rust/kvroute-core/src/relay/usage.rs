@@ -30,6 +30,13 @@ impl Tail {
         &self.0
     }
 
+    /// Whether the stream's last event is `data: [DONE]`: the engine has finished the
+    /// request, whatever happens to the bytes after it.
+    pub fn ended(&self) -> bool {
+        let end = self.0.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(0, |i| i + 1);
+        self.0[..end].ends_with(b"data: [DONE]") || self.0[..end].ends_with(b"data:[DONE]")
+    }
+
     pub fn push(&mut self, data: &[u8]) {
         self.0.extend_from_slice(data);
         if self.0.len() > 2 * TAIL {
@@ -58,7 +65,7 @@ fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::last_number;
+    use super::{last_number, Tail};
 
     #[test]
     fn usage_numbers_are_the_last_ones() {
@@ -66,5 +73,18 @@ mod tests {
         assert_eq!(last_number(data, br#""cached_tokens""#), Some(9));
         assert_eq!(last_number(data, br#""prompt_tokens""#), Some(12));
         assert_eq!(last_number(b"\"cached_tokens\": x", br#""cached_tokens""#), None);
+    }
+
+    #[test]
+    fn a_stream_ends_at_its_done_event() {
+        let mut tail = Tail::default();
+        tail.push(b"data: {\"x\":1}\n\n");
+        assert!(!tail.ended());
+        tail.push(b"data: [DONE]");
+        assert!(tail.ended());
+        tail.push(b"\n\n");
+        assert!(tail.ended());
+        tail.push(b"data: {}\n\n");
+        assert!(!tail.ended());
     }
 }
