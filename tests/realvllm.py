@@ -306,7 +306,10 @@ def _group_alive(pgid: int) -> bool:
 class Engines:
     """The engines one :func:`start_engines` call started; stop them all with :meth:`stop`."""
 
+    model: Path
+    log_dir: Path
     engines: list[Engine] = field(default_factory=list)
+    extra_args: list[list[str]] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Engine]:
         return iter(self.engines)
@@ -324,6 +327,26 @@ class Engines:
     def stop(self) -> None:
         for engine in self.engines:
             engine.stop()
+
+    def kill(self, i: int) -> None:
+        """SIGKILL engine ``i``'s whole process group at once (a crash)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.engines[i].process.pid, signal.SIGKILL)
+        self.engines[i].process.wait(timeout=30)
+
+    def restart(self, i: int, timeout: float = 300.0) -> Engine:
+        """Start engine ``i`` again on its ports and core (stopping it first if it runs)."""
+        old = self.engines[i]
+        old.stop()
+        args = self.extra_args[i] if self.extra_args else None
+        new = start_engine(self.model, old.port, old.events_port, old.core, self.log_dir, args)
+        self.engines[i] = new
+        try:
+            wait_healthy([new], timeout)
+        except BaseException:
+            new.stop()
+            raise
+        return new
 
 
 def engine_command(
@@ -382,7 +405,7 @@ def start_engine(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
     ncores = os.cpu_count() or 1
-    with open(log_path, "wb") as log_file:
+    with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [*engine_command(model, port, events_port), *(extra_args or [])],
             env=engine_env(core % ncores),
@@ -430,7 +453,7 @@ def start_engines(
     wait until each answers ``/health``. On any failure every engine started is stopped."""
     py = ensure_venv(log)
     model = ensure_model(py, log)
-    out = Engines()
+    out = Engines(model, log_dir, extra_args=extra_args or [])
     try:
         for i in range(n):
             args = extra_args[i] if extra_args else None

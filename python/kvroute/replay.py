@@ -15,6 +15,11 @@ turn n+1 at ``max(timestamp, finish_n)``, ``thinktime`` at ``finish_n + time_to_
 per second with turns as in ``thinktime``. Trace times (timestamps, think times) are
 multiplied by ``time_scale``; a failed turn ends at its failure and the session goes on.
 
+**Cold start**: ``reset_cache`` sends ``POST /reset_prefix_cache`` first (``kvroute proxy``
+sends it on to every backend and clears its router's cache model), so that each arm of an
+experiment starts with empty prefix caches; a refusal stops the run with a
+:class:`ReplayError` that says what the endpoint answered.
+
 **Measurement**: send, first streamed token and last token on the monotonic clock (seconds
 since the run began), usage's ``completion_tokens`` and ``prompt_tokens_details.cached_tokens``,
 and the proxy's ``X-Kvroute-Instance`` / ``X-Kvroute-Hit-Tokens`` headers when present. The
@@ -37,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from kvroute.errors import InvalidArgumentError
+from kvroute.errors import InvalidArgumentError, KvrouteError
 from kvroute.records import conform_records, record_schema
 from kvroute.schema import block_size_of
 
@@ -70,6 +75,10 @@ def prompt_tokens(
     return (np.uint64(FIRST_ID) + z % np.uint64(vocab_size - FIRST_ID)).astype(np.uint32)
 
 
+class ReplayError(KvrouteError, RuntimeError):
+    """The endpoint refused a step of the replay itself (not one of its requests)."""
+
+
 @dataclass
 class ReplayConfig:
     """How to replay (see the module doc and ``docs/replay.md``)."""
@@ -87,6 +96,7 @@ class ReplayConfig:
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = False
+    reset_cache: bool = False
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -165,6 +175,8 @@ class Replayer:
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, headers=headers
         ) as http:
+            if c.reset_cache:
+                await self._reset_cache(http)
             model = c.model or await self._model(http)
             self._start = time.perf_counter()
             tasks = []
@@ -181,6 +193,20 @@ class Replayer:
         delay = t - self._now()
         if delay > 0:
             await asyncio.sleep(delay)
+
+    async def _reset_cache(self, http: aiohttp.ClientSession) -> None:
+        """``POST /reset_prefix_cache`` (a proxy sends it on to every backend), so the run
+        starts with cold caches."""
+        url = self.config.url + "/reset_prefix_cache"
+        try:
+            async with http.post(url) as resp:
+                if resp.status < 300:
+                    return
+                text = (await resp.text()).strip()[:300]
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ReplayError(f"{url}: {exc}") from exc
+        hint = " (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)" if resp.status == 404 else ""
+        raise ReplayError(f"{url} answered {resp.status}{hint}: {text}")
 
     async def _model(self, http: aiohttp.ClientSession) -> str:
         async with http.get(self.config.url + "/v1/models") as resp:
@@ -344,4 +370,4 @@ def replay(trace: pa.Table, config: ReplayConfig) -> pa.Table:
             progress.stop()
 
 
-__all__ = ["MODES", "ReplayConfig", "Replayer", "prompt_tokens", "replay"]
+__all__ = ["MODES", "ReplayConfig", "ReplayError", "Replayer", "prompt_tokens", "replay"]

@@ -253,6 +253,11 @@ def engine(**kw: Any) -> None:
 @click.option("--vocab-size", default=32000, show_default=True, type=click.IntRange(min=257))
 @click.option("--request-timeout", default=3600.0, show_default=True, type=float)
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
+@click.option(
+    "--reset-cache",
+    is_flag=True,
+    help="POST /reset_prefix_cache first (a proxy sends it to every backend): start cold.",
+)
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def replay(trace: Path, **kw: Any) -> None:
@@ -277,6 +282,7 @@ def replay(trace: Path, **kw: Any) -> None:
             request_timeout_s=kw["request_timeout"],
             api_key=kw["api_key"],
             progress=not kw["no_progress"],
+            reset_cache=kw["reset_cache"],
         )
         records = run_replay(table, config)
     except KvrouteError as exc:
