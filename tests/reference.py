@@ -108,6 +108,7 @@ class ReferenceRouter:
         *,
         block_size: int = 512,
         cache_capacity_blocks: int | None = None,
+        cache_rule: str = "trace",
         overload_factor: float = 2.0,
         hit_ratio_gate: float = 0.5,
         seed: int = 0,
@@ -125,6 +126,8 @@ class ReferenceRouter:
             raise InvalidArgumentError(f"block_size must be positive, got {block_size}")
         if cache_capacity_blocks is not None and cache_capacity_blocks <= 0:
             raise InvalidArgumentError("cache_capacity_blocks must be positive or None")
+        if cache_rule not in ("trace", "vllm"):
+            raise InvalidArgumentError(f"cache_rule must be 'trace' or 'vllm', got {cache_rule!r}")
         if seed < 0 or balance_abs < 0:
             raise InvalidArgumentError("seed and balance_abs must be >= 0")
         for name, value in [
@@ -140,6 +143,7 @@ class ReferenceRouter:
         self.policy = policy
         self.block_size = block_size
         self.capacity = cache_capacity_blocks
+        self.cache_rule = cache_rule
         self.overload_factor = overload_factor
         self.hit_ratio_gate = hit_ratio_gate
         self.cache_threshold = cache_threshold
@@ -168,7 +172,27 @@ class ReferenceRouter:
         return k
 
     def hit(self, i: int, keys: list[int], input_length: int) -> int:
-        return self.hit_tokens(self.matched_blocks(i, keys), input_length)
+        return self.hit_tokens(self.matched_blocks(i, self.lookup(keys, input_length)), input_length)
+
+    def lookup(self, keys: list[int], input_length: int) -> list[int]:
+        """The keys that may hit: all of them, or (vLLM) the full blocks before the last token."""
+        if self.cache_rule == "trace":
+            return keys
+        return keys[: max(input_length - 1, 0) // self.block_size]
+
+    def stored(self, keys: list[int], input_length: int) -> list[int]:
+        """The keys the engine keeps: all of them, or (vLLM) the full blocks."""
+        return keys if self.cache_rule == "trace" else keys[: input_length // self.block_size]
+
+    def _touch(self, inst: Instance, keys: list[int]) -> None:
+        for key in reversed(keys):  # last to first: the head of the prefix ends most recent
+            inst.cache[key] = None
+            inst.cache.move_to_end(key)
+        # Evict least recently touched keys while over capacity. Evicting once after all the
+        # touches leaves the same set and order as evicting after each touch, because LRU is
+        # a stack algorithm (a size-C LRU always holds the C most recent keys).
+        while self.capacity is not None and len(inst.cache) > self.capacity:
+            inst.cache.popitem(last=False)
 
     def new_prefill(self, i: int, keys: list[int], input_length: int) -> int:
         return max(0, input_length - self.hit(i, keys, input_length))
@@ -260,19 +284,23 @@ class ReferenceRouter:
         inst.num_requests += 1
         inst.ongoing_tokens += input_length
         inst.pending_prefill_tokens += new_prefill
-        for key in reversed(keys):  # last to first: the head of the prefix ends most recent
-            inst.cache[key] = None
-            inst.cache.move_to_end(key)
-        # Evict least recently touched keys while over capacity. Evicting once after all the
-        # touches leaves the same set and order as evicting after each touch, because LRU is
-        # a stack algorithm (a size-C LRU always holds the C most recent keys).
-        while self.capacity is not None and len(inst.cache) > self.capacity:
-            inst.cache.popitem(last=False)
+        self._touch(inst, self.stored(keys, input_length))
 
         self.requests[request_id] = InFlight(chosen, input_length, new_prefill)
         if session_id is not None and self.policy in AFFINITY_POLICIES:
             self.affinity[session_id] = chosen
         return {"instance": chosen, "hit_tokens": hit, "new_prefill": new_prefill, "branch": branch}
+
+    def extend(self, request_id: Any, hash_ids: Any) -> bool:
+        keys = _keys(hash_ids)
+        r = self.requests.get(_check_id(request_id))
+        if r is None:
+            return False
+        self._touch(self.instances[r.instance], keys)
+        return True
+
+    def clear_cache(self, instance: int) -> None:
+        self.instances[self._check_instance(instance)].cache.clear()
 
     def first_token(self, request_id: Any) -> bool:
         r = self.requests.get(_check_id(request_id))

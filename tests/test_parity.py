@@ -45,6 +45,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
         "block_size": draw(st.sampled_from([4, 16, 512, 1])),
         "cache_capacity_blocks": draw(st.sampled_from([None, None, 1, 2, 3, 5, 8, 32])),
         "seed": draw(st.one_of(st.integers(0, 3), st.integers(0, 2**63 - 1))),
+        "cache_rule": draw(st.sampled_from(["trace", "vllm"])),
     }
     if policy == "unified":
         kw["overload_factor"] = draw(st.sampled_from([2.0, 0.0, 1.0, 1.5, 4.0]))
@@ -62,7 +63,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
 TAILS = st.lists(st.one_of(st.integers(0, 20), U64), max_size=3)
 FORMS = st.sampled_from(["list", "list", "uint64", "int64", "strided"])
 OPS = st.sampled_from(
-    ["route"] * 6 + ["first_token"] * 2 + ["finish"] * 2 + ["avail", "add", "est"]
+    ["route"] * 6 + ["first_token"] * 2 + ["finish"] * 2 + ["avail", "add", "est", "extend", "clear"]
 )
 BASES = st.lists(st.lists(U64, min_size=1, max_size=10), min_size=1, max_size=3)
 
@@ -105,6 +106,11 @@ def scenario(draw: st.DrawFn, policy: str) -> dict[str, Any]:
             ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1)), draw(st.booleans())))
         elif op == "add":
             ops.append((op,))
+        elif op == "extend":
+            target = draw(st.tuples(st.just("live"), st.integers(0, 99)))
+            ops.append((op, target, *draw(req)))
+        elif op == "clear":
+            ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1))))
         else:
             ops.append((op, *draw(req)))
     return {"n": n, "kw": kw, "ops": ops, "end_seed": draw(st.integers(0, 2**32))}
@@ -181,6 +187,15 @@ def run_step(rust: kvroute.Router, ref: ReferenceRouter, op: tuple[Any, ...]) ->
     elif kind == "add":
         if ref.num_instances < MAX_INSTANCES:
             call_both(rust.add_instance, ref.add_instance)
+    elif kind == "extend":
+        (_, x), keys, _, form = op[1:]
+        live = list(ref.requests)
+        rid = live[x % len(live)] if live else x
+        hash_ids = hash_ids_in(form, keys)
+        call_both(lambda: rust.extend(rid, hash_ids), lambda: ref.extend(rid, keys))
+    elif kind == "clear":
+        inst = op[1] % ref.num_instances
+        call_both(lambda: rust.clear_cache(inst), lambda: ref.clear_cache(inst))
     else:
         _, keys, length, form = op
         hash_ids = hash_ids_in(form, keys)
@@ -259,6 +274,8 @@ def test_reference_has_the_router_api() -> None:
         "add_instance",
         "session_affinity",
         "cached_keys",
+        "clear_cache",
+        "extend",
         "policy",
         "num_instances",
         "block_size",

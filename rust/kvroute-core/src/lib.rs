@@ -34,4 +34,4 @@ mod stamped;
 pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};
 pub use policy::{Policy, PolicyParams};
-pub use router::{Decision, Id, InstanceState, Router, RouterConfig};
+pub use router::{CacheRule, Decision, Id, InstanceState, Router, RouterConfig};

@@ -42,6 +42,51 @@ impl std::fmt::Display for Id {
     }
 }
 
+/// Which blocks of a request an engine keeps and which can hit (docs/semantics.md §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheRule {
+    /// Every key of a request is stored and may hit, the last (partial) block too: the
+    /// trace semantics of the ceilings and the simulator's router.
+    #[default]
+    Trace,
+    /// vLLM's prefix cache: only full blocks are stored, and a prompt's last token is always
+    /// recomputed, so a request of `n` tokens can hit at most `floor((n - 1) / block_size)`
+    /// blocks; blocks its output completes are stored too ([`Router::extend`]).
+    Vllm,
+}
+
+impl CacheRule {
+    /// The rule named `name` (`"trace"` or `"vllm"`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "trace" => Ok(Self::Trace),
+            "vllm" => Ok(Self::Vllm),
+            _ => Err(Error::InvalidArgument(format!("cache_rule must be 'trace' or 'vllm', got {name:?}"))),
+        }
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Trace => "trace",
+            Self::Vllm => "vllm",
+        }
+    }
+
+    /// How many leading keys of a request of `input_length` tokens with `keys` keys may hit,
+    /// and how many its engine stores.
+    pub fn limits(self, keys: usize, input_length: u64, block_size: u64) -> (usize, usize) {
+        match self {
+            Self::Trace => (keys, keys),
+            Self::Vllm => {
+                let blocks =
+                    |tokens: u64| keys.min(usize::try_from(tokens / block_size).unwrap_or(usize::MAX));
+                (blocks(input_length.saturating_sub(1)), blocks(input_length))
+            }
+        }
+    }
+}
+
 /// How a router is set up.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -49,6 +94,8 @@ pub struct RouterConfig {
     pub block_size: u64,
     /// Keys each instance's cache holds; `None` = unbounded.
     pub cache_capacity_blocks: Option<usize>,
+    /// Which blocks are stored and can hit.
+    pub cache_rule: CacheRule,
     /// Seed of the RNG used by `random`, `power_of_two` and `dynamo_cost`.
     pub seed: u64,
     /// Policy parameters.
@@ -57,7 +104,13 @@ pub struct RouterConfig {
 
 impl Default for RouterConfig {
     fn default() -> Self {
-        Self { block_size: 512, cache_capacity_blocks: None, seed: 0, params: PolicyParams::default() }
+        Self {
+            block_size: 512,
+            cache_capacity_blocks: None,
+            cache_rule: CacheRule::Trace,
+            seed: 0,
+            params: PolicyParams::default(),
+        }
     }
 }
 
@@ -170,9 +223,11 @@ impl Router {
         }
         let affinity =
             session.and_then(|s| self.affinity.get(s).copied()).filter(|&a| self.loads[a].available);
+        let (lookup, stored) =
+            self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size);
         let cache = self.cache.lock();
         if self.policy.scores_cache() {
-            cache.walk(keys, &mut self.walk);
+            cache.walk(&keys[..lookup], &mut self.walk);
         } else {
             self.walk.clear();
         }
@@ -190,7 +245,7 @@ impl Router {
             .ok_or(Error::NoInstanceAvailable)?;
         let matched = match self.walk.matched().get(instance) {
             Some(&m) => m as usize,
-            None => cache.matched_blocks(instance, keys),
+            None => cache.matched_blocks(instance, &keys[..lookup]),
         };
         drop(cache);
         let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
@@ -209,7 +264,7 @@ impl Router {
         self.available_totals.0 += 1; // a picked instance is available
         load.ongoing_tokens = ongoing;
         load.pending_prefill_tokens = pending;
-        self.cache.touch(instance, keys, &mut self.walk);
+        self.cache.touch(instance, &keys[..stored], &mut self.walk);
         if let (Some(s), true) = (session, self.uses_affinity()) {
             self.affinity.insert(s.clone(), instance);
         }
@@ -230,6 +285,20 @@ impl Router {
         let load = &mut self.loads[r.instance];
         load.pending_prefill_tokens -= r.new_prefill;
         load.ongoing_decode_tokens += r.input_length;
+        true
+    }
+
+    /// The engine stored more blocks for an in-flight request: `keys` are the request's
+    /// whole sequence so far (prompt and output, full blocks only), touched on its instance
+    /// from last to first. vLLM keeps the blocks a request's output completes, so the next
+    /// turn of a conversation can hit them. Returns whether the request was in flight.
+    /// O(keys).
+    pub fn extend(&mut self, request: &Id, keys: &[u64]) -> bool {
+        let Some(r) = self.requests.get(request) else {
+            return false;
+        };
+        self.walk.clear();
+        self.cache.touch(r.instance, keys, &mut self.walk);
         true
     }
 
@@ -255,6 +324,7 @@ impl Router {
     /// Estimated cached tokens of a request on one instance; reads only.
     pub fn estimate_cache_hit(&self, instance: usize, keys: &[u64], input_length: u64) -> Result<u64> {
         self.check_instance(instance as i64)?;
+        let keys = self.lookup(keys, input_length);
         let matched = self.cache.lock().matched_blocks(instance, keys) as u64;
         Ok(hit_tokens(matched, self.config.block_size, input_length))
     }
@@ -262,7 +332,7 @@ impl Router {
     /// Estimated cached tokens on every instance, from one index walk; reads only.
     pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
         let mut walk = PrefixWalk::default();
-        self.cache.lock().walk(keys, &mut walk);
+        self.cache.lock().walk(self.lookup(keys, input_length), &mut walk);
         walk.matched()
             .iter()
             .map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length))
@@ -335,6 +405,11 @@ impl Router {
         Ok(self.cache.lock().keys_mru(self.check_instance(instance)?))
     }
 
+    /// The keys of a request that may hit, by the cache rule.
+    fn lookup<'k>(&self, keys: &'k [u64], input_length: u64) -> &'k [u64] {
+        &keys[..self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size).0]
+    }
+
     fn uses_affinity(&self) -> bool {
         matches!(self.policy, Policy::Sticky | Policy::Unified)
     }
@@ -344,5 +419,44 @@ impl Router {
             .ok()
             .filter(|&i| i < self.loads.len())
             .ok_or(Error::UnknownInstance { index: instance, count: self.loads.len() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vllm_router() -> Router {
+        let config = RouterConfig { block_size: 32, cache_rule: CacheRule::Vllm, ..RouterConfig::default() };
+        Router::new(1, Policy::Lmetric, config).unwrap()
+    }
+
+    /// vLLM keeps full blocks only and always recomputes a prompt's last token.
+    #[test]
+    fn the_vllm_rule_stores_full_blocks_and_recomputes_the_last_token() {
+        let mut r = vllm_router();
+        let keys = [1, 2, 3];
+        for (id, n, hit) in [(0, 64u64, 0), (1, 64, 32), (2, 65, 64), (3, 96, 64), (4, 70, 64)] {
+            assert_eq!(
+                r.route(Id::Int(id), &keys[..n.div_ceil(32) as usize], n, None).unwrap().hit_tokens,
+                hit
+            );
+            r.finish(&Id::Int(id));
+        }
+        assert_eq!(r.cached_keys(0).unwrap(), vec![1, 2, 3]); // the 96-token prompt's third block
+        assert_eq!(CacheRule::Vllm.limits(3, 0, 32), (0, 0));
+        assert_eq!(CacheRule::Trace.limits(3, 10, 32), (3, 3));
+    }
+
+    #[test]
+    fn blocks_an_output_completes_can_hit_the_next_turn() {
+        let mut r = vllm_router();
+        r.route(Id::Int(1), &[1, 2], 40, None).unwrap(); // stores block 1 only
+        assert!(r.extend(&Id::Int(1), &[1, 2, 3]));
+        r.finish(&Id::Int(1));
+        assert!(!r.extend(&Id::Int(1), &[9]));
+        assert_eq!(r.estimate_cache_hit(0, &[1, 2, 3, 4], 120).unwrap(), 96);
+        r.clear_cache(0).unwrap();
+        assert_eq!(r.estimate_cache_hit(0, &[1, 2, 3, 4], 120).unwrap(), 0);
     }
 }

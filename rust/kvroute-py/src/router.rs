@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvroute_core::{Policy, PolicyParams, Router, RouterConfig};
+use kvroute_core::{CacheRule, Policy, PolicyParams, Router, RouterConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -41,7 +41,7 @@ fn positive(py: Python<'_>, value: i64, name: &str) -> PyResult<u64> {
 impl PyRouter {
     #[new]
     #[pyo3(signature = (num_instances, policy = "unified", *, block_size = 512, cache_capacity_blocks = None,
-        overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
+        cache_rule = "trace", overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
         balance_rel = 1.1, overlap_weight = 1.0, temperature = 0.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -50,6 +50,7 @@ impl PyRouter {
         policy: &str,
         block_size: i64,
         cache_capacity_blocks: Option<i64>,
+        cache_rule: &str,
         overload_factor: f64,
         hit_ratio_gate: f64,
         seed: i64,
@@ -66,6 +67,7 @@ impl PyRouter {
         let config = RouterConfig {
             block_size: positive(py, block_size, "block_size")?,
             cache_capacity_blocks: capacity.map(|c| c as usize),
+            cache_rule: CacheRule::from_name(cache_rule).map_err(|e| to_py(py, e))?,
             seed: u64::try_from(seed).map_err(|_| invalid(py, format!("seed must be >= 0, got {seed}")))?,
             params: PolicyParams {
                 overload_factor,
@@ -189,6 +191,15 @@ impl PyRouter {
     fn cached_keys(&self, instance: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let inst = self.instance(instance)?;
         self.lock().cached_keys(inst as i64).map_err(|e| to_py(instance.py(), e))
+    }
+
+    /// The engine stored more blocks for an in-flight request (vLLM keeps those its output
+    /// completes): `hash_ids` are the request's whole sequence so far, full blocks only,
+    /// touched on its instance. Returns whether the request was in flight.
+    fn extend(&self, request_id: &Bound<'_, PyAny>, hash_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let rid = id(request_id, "request_id")?;
+        let keys = keys(hash_ids, "hash_ids")?;
+        Ok(self.lock().extend(&rid, keys.as_slice()))
     }
 
     /// Empty an instance's cache model (after its engine's prefix cache was reset); its

@@ -113,6 +113,7 @@ pub fn run(
         RouterConfig {
             block_size: trace.block_size,
             cache_capacity_blocks: cache,
+            cache_rule: crate::CacheRule::Trace,
             seed: cfg.seed,
             params: cfg.params.clone(),
         },
