@@ -85,7 +85,7 @@ def test_key_body_scan(benchmark: Any, n: int) -> None:
     loop = asyncio.new_event_loop()
     benchmark.group = f"key a body {n}"
     benchmark.extra_info.update(kind="key_body", impl="scan", tokens=n)
-    _, keys, got = benchmark(lambda: loop.run_until_complete(keyer.parse(raw, False)))
+    _, keys, got, _ = benchmark(lambda: loop.run_until_complete(keyer.parse(raw, False)))
     loop.close()
     assert got == n and len(keys) == -(-n // 512)
 
@@ -107,7 +107,7 @@ def test_key_body_parse(benchmark: Any, n: int) -> None:
     loop = asyncio.new_event_loop()
     benchmark.group = f"key a body {n}"
     benchmark.extra_info.update(kind="key_body", impl="parse", tokens=n)
-    keys, got = benchmark(lambda: loop.run_until_complete(parse()))
+    keys, got, _ = benchmark(lambda: loop.run_until_complete(parse()))
     loop.close()
     assert got == n and len(keys) == -(-n // 512)
 

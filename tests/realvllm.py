@@ -234,8 +234,14 @@ def ensure_model(py: Path, log: Log = _stderr) -> Path:
         "unk_token": None,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                     "normalized": False, "single_word": False}
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for i, t in enumerate(SPECIAL_TOKENS)
         },
     }

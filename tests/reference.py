@@ -172,7 +172,9 @@ class ReferenceRouter:
         return k
 
     def hit(self, i: int, keys: list[int], input_length: int) -> int:
-        return self.hit_tokens(self.matched_blocks(i, self.lookup(keys, input_length)), input_length)
+        return self.hit_tokens(
+            self.matched_blocks(i, self.lookup(keys, input_length)), input_length
+        )
 
     def lookup(self, keys: list[int], input_length: int) -> list[int]:
         """The keys that may hit: all of them, or (vLLM) the full blocks before the last token."""

@@ -63,7 +63,10 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
 TAILS = st.lists(st.one_of(st.integers(0, 20), U64), max_size=3)
 FORMS = st.sampled_from(["list", "list", "uint64", "int64", "strided"])
 OPS = st.sampled_from(
-    ["route"] * 6 + ["first_token"] * 2 + ["finish"] * 2 + ["avail", "add", "est", "extend", "clear"]
+    ["route"] * 6
+    + ["first_token"] * 2
+    + ["finish"] * 2
+    + ["avail", "add", "est", "extend", "clear"]
 )
 BASES = st.lists(st.lists(U64, min_size=1, max_size=10), min_size=1, max_size=3)
 
@@ -274,6 +277,7 @@ def test_reference_has_the_router_api() -> None:
         "add_instance",
         "session_affinity",
         "cached_keys",
+        "cache_rule",
         "clear_cache",
         "extend",
         "policy",

@@ -191,6 +191,74 @@ def test_the_engines_endpoints_through_the_proxy(engines: Engines) -> None:
         assert status == 200 and len(json.loads(raw)["reset"]) == 2
 
 
+def chat_turns(s: RealStack, session: str, turns: int, **extra: Any) -> list[tuple[int, int]]:
+    """A conversation of ``turns`` turns through the proxy, each turn's prompt holding the
+    answers before it; per turn, the router's estimate and the engine's ``cached_tokens``."""
+    messages: list[dict[str, str]] = []
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"{session} asks question {turn}: why?"})
+        raw = s.client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=40,
+            extra_headers={"X-Session-Id": session},
+            **extra,
+        )
+        answer = raw.parse()
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        cached = answer.usage.prompt_tokens_details.cached_tokens or 0
+        out.append((int(raw.headers["X-Kvroute-Hit-Tokens"]), cached))
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+    return out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 0.0},  # greedy: the answers' text tokenizes back to the ids generated
+        {"extra_body": {"return_token_ids": True}},  # sampled: the engine returns the ids
+    ],
+    ids=["text", "token_ids"],
+)
+def test_the_estimate_equals_the_engines_cached_tokens(
+    engines: Engines, extra: dict[str, Any]
+) -> None:
+    """Multi-turn chat, no eviction: the router's estimate is the engine's ``cached_tokens``
+    on every request, including the blocks vLLM stored while decoding each answer."""
+    with RealStack(engines, policy="unified") as s:
+        got = [pair for session in "abcd" for pair in chat_turns(s, session, 4, **extra)]
+        s.assert_idle()
+    assert [est for est, _ in got] == [cached for _, cached in got], got
+    assert sum(cached for _, cached in got) > 0
+
+
+def test_the_estimate_follows_token_id_conversations(engines: Engines) -> None:
+    """The same for completions whose prompts are token ids (keyed by the relay itself):
+    each turn's prompt is the last one, the ids it generated, and new ids."""
+    with RealStack(engines, policy="sticky") as s:
+        pairs = []
+        for session in range(3):
+            prompt = [2000 + session] * 45
+            for _ in range(4):
+                raw = s.client.completions.with_raw_response.create(
+                    model=MODEL_NAME,
+                    prompt=prompt,
+                    max_tokens=37,
+                    extra_headers={"X-Session-Id": str(session)},
+                    extra_body={"return_token_ids": True},
+                )
+                out = raw.parse()
+                assert out.usage is not None and out.usage.prompt_tokens_details is not None
+                cached = out.usage.prompt_tokens_details.cached_tokens or 0
+                pairs.append((int(raw.headers["X-Kvroute-Hit-Tokens"]), cached))
+                generated = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+                prompt = prompt + list(generated) + [3000 + session] * 11
+        s.assert_idle()
+    assert [e for e, _ in pairs] == [c for _, c in pairs], pairs
+    assert sum(c for _, c in pairs) > 0
+
+
 def small_real_trace(rows: int = 24) -> pa.Table:
     """The first Mooncake conversation requests whose prompts fit the tiny model's context,
     with answers cut to 4 tokens."""
@@ -217,9 +285,10 @@ def test_replay_of_a_real_trace_through_the_proxy(engines: Engines, tmp_path: Pa
     after = {name: sum(engine_metric(e.url, name) for e in engines) for name in before}
     cached = pc.sum(records["cached_tokens"]).as_py()
     prompt = pc.sum(records["input_length"]).as_py()
-    assert cached == after["vllm:prompt_tokens_cached_total"] - before[
-        "vllm:prompt_tokens_cached_total"
-    ]
+    assert (
+        cached
+        == after["vllm:prompt_tokens_cached_total"] - before["vllm:prompt_tokens_cached_total"]
+    )
     assert prompt == after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
     assert 0 < cached < prompt  # the trace's sessions reuse their prefixes
     # And from the command line, records written.

@@ -23,6 +23,7 @@ __all__ = [
     "policies",
     "prompt_ids",
     "relay_token_prompt",
+    "sequence_keys",
     "simulate_runs",
 ]
 
@@ -60,6 +61,14 @@ def chain_ids_lists(
     values: npt.NDArray[np.uint64], offsets: npt.NDArray[np.int64]
 ) -> npt.NDArray[np.uint64]: ...
 def policies() -> list[str]: ...
+def sequence_keys(
+    prompt_keys: HashIds,
+    input_length: int,
+    tail: TokenIds,
+    output: TokenIds,
+    generated: int,
+    block_size: int,
+) -> npt.NDArray[np.uint64]: ...
 def prompt_ids(body: bytes) -> tuple[npt.NDArray[np.uint32], int, int] | None: ...
 
 @final
@@ -112,6 +121,8 @@ class Router:
     def num_instances(self) -> int: ...
     @property
     def block_size(self) -> int: ...
+    @property
+    def cache_rule(self) -> str: ...
     @property
     def in_flight(self) -> int: ...
 

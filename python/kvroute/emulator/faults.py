@@ -7,8 +7,8 @@ disjoint faults (the rates add up to at most 1): with probability ``error_rate``
 connection is closed after ``die_after_tokens`` tokens have been sent (no clean end).
 ``unhealthy`` makes ``/health`` answer 503. ``done_gap_s`` waits that long between a stream's
 ``data: [DONE]`` and the end of its chunked body, which vLLM writes separately (a client that
-closes at ``[DONE]``, as the ``openai`` package does, is then gone before the end). Fields may be changed while the server runs
-(from its loop's thread).
+closes at ``[DONE]``, as the ``openai`` package does, is then gone before the end). Fields
+may be changed while the server runs (from its loop's thread).
 
 O(1) per request; not thread-safe (owned by the server's loop).
 """

@@ -56,7 +56,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        options = dict(config.router_options)
+        options = {"cache_rule": "vllm", **config.router_options}
         self.router = kvroute.Router(len(config.backends), config.policy, **options)
         self.pool = BackendPool(config, self.router)
         self.native = config.data_path == "native"

@@ -107,7 +107,9 @@ class EngineEndpoints:
         if resp.status >= 300:
             assert isinstance(resp.body, bytes)
             text = resp.body.decode(errors="replace").strip()[:200]
-            hint = " (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)" if resp.status == 404 else ""
+            hint = (
+                " (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)" if resp.status == 404 else ""
+            )
             return b, f"answered {resp.status}{hint}: {text}"
         self.router.clear_cache(b.index)
         return b, None

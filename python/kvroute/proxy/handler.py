@@ -29,18 +29,19 @@ import asyncio
 import itertools
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import kvroute
+from kvroute._core import sequence_keys
 from kvroute.errors import NoInstanceAvailableError
 from kvroute.proxy.backends import Backend, BackendPool
 from kvroute.proxy.config import ProxyConfig
 from kvroute.proxy.front import FrontConnection, Request, dumps_json
 from kvroute.proxy.http1 import Headers, without
-from kvroute.proxy.keys import Keyer, Keys, session_of
+from kvroute.proxy.keys import Keyed, Keyer, Keys, session_of
 from kvroute.proxy.observe import BackendMetrics, DecisionLog, ProxyMetrics
 from kvroute.proxy.prompts import BadRequest, error_body, wants_stream
 from kvroute.proxy.upstream import Exchange, UpstreamPool
@@ -71,6 +72,9 @@ _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _RETRY_STATUS = frozenset((500, 502, 503, 504))
 _TAIL = 2048
+_MAX_OUTPUT = 16 << 20
+#: Records an answer's output blocks (see :meth:`Forwarder._model_now`).
+_Model = Callable[[bytes, bool], "Coroutine[Any, Any, None] | None"]
 
 
 def upstream_request(method: str, target: str, host: str, headers: Headers, body: bytes) -> bytes:
@@ -115,11 +119,12 @@ class Forwarder:
         self._session_header = config.session_header.lower()
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._ids = itertools.count(1)
+        self._model_output = router.cache_rule == "vllm"
 
     async def handle(self, req: Request, down: FrontConnection, chat: bool) -> None:
         """``POST /v1/completions`` or ``/v1/chat/completions``."""
         try:
-            body, keys, n_in = await self.keyer.parse(req.body, chat)
+            body, keys, n_in, tail = await self.keyer.parse(req.body, chat)
             stream = wants_stream(body)
         except BadRequest as exc:
             self.metrics.error("bad_request")
@@ -127,8 +132,9 @@ class Forwarder:
             return
         session = session_of(req.head.get(self._session_header), body, self.config.session_field)
         headers = without(req.head.headers, HOP)
+        prompt = Keyed(keys, n_in, tail if self._model_output else None)
         async with self._sem:
-            await self._forward(req, down, headers, stream, keys, n_in, session)
+            await self._forward(req, down, headers, stream, prompt, session)
 
     def _route(self, rid: int, keys: Keys, n_in: int, session: Any, hide: list[int]) -> RouteInfo:
         hidden = [i for i in hide if self.pool.get(i).up and not self.pool.get(i).removed]
@@ -146,10 +152,10 @@ class Forwarder:
         down: FrontConnection,
         headers: Headers,
         stream: bool,
-        keys: Keys,
-        n_in: int,
+        prompt: Keyed,
         session: Any,
     ) -> None:
+        keys, n_in = prompt.keys, prompt.input_length
         rid = next(self._ids)
         tried: list[int] = []
         fail: _Fail | None = None
@@ -176,7 +182,7 @@ class Forwarder:
                 bm.estimated.inc(info["hit_tokens"])
                 if self.log is not None:
                     self._log_decision(rid, session, n_in, info, b, attempt, terms)
-                start = partial(self._start_stream, down, b, info, bm, rid, req.t0)
+                start = partial(self._start_stream, down, b, info, bm, rid, prompt, req.t0)
                 try:
                     ex = await self._attempt(b, req, headers, stream, start)
                 except _Fail as f:
@@ -198,6 +204,8 @@ class Forwarder:
                 return
             self.pool.success(b)
             body = b"".join(ex.body)
+            if prompt.tail is not None and ex.status == 200:
+                await self._model(rid, prompt, body, stream=False)
             self._usage(bm, body)
             bm.e2e.observe(time.perf_counter() - req.t0)
             down.send(ex.status, _answer_headers(ex, b, info), body)
@@ -266,6 +274,7 @@ class Forwarder:
         info: RouteInfo,
         bm: BackendMetrics,
         rid: int,
+        prompt: Keyed,
         t0: float,
         ex: Exchange,
     ) -> None:
@@ -276,7 +285,8 @@ class Forwarder:
         bm.ttft.observe(time.perf_counter() - t0)
         self.pool.success(b)
         first = b"".join(ex.body)
-        ex.relay = _Stream(down, first)
+        model = None if prompt.tail is None else partial(self._model_now, rid, prompt)
+        ex.relay = _Stream(down, first, model)
         down.follow(ex)
         down.start(200, _answer_headers(ex, b, info), first)
 
@@ -293,6 +303,8 @@ class Forwarder:
         the backend failed)."""
         await ex.done
         down.follow(None)
+        if stream.later is not None:
+            await stream.later
         if ex.error is not None and not stream.ended:
             timeout = isinstance(ex.error, TimeoutError)
             bm.error("timeout" if timeout else "midstream")
@@ -305,6 +317,30 @@ class Forwarder:
         self._usage(bm, stream.tail)
         down.end()
         bm.e2e.observe(time.perf_counter() - t0)
+
+    def _model_now(
+        self, rid: int, prompt: Keyed, answer: bytes, stream: bool
+    ) -> Coroutine[Any, Any, None] | None:
+        """Record the blocks an answer's output completed (vLLM stores them), when its ids
+        are known at once; else the coroutine that asks the backend to tokenize its text."""
+        got = self.keyer.output_now(answer, stream)
+        if isinstance(got, str):
+            return self._model(rid, prompt, answer, stream)
+        if got is not None:
+            self._extend(rid, prompt, *got)
+        return None
+
+    async def _model(self, rid: int, prompt: Keyed, answer: bytes, stream: bool) -> None:
+        got = await self.keyer.output(answer, stream)
+        if got is not None:
+            self._extend(rid, prompt, *got)
+
+    def _extend(self, rid: int, prompt: Keyed, ids: Any, generated: int) -> None:
+        keys, n = prompt.keys, prompt.input_length
+        bs = self.keyer.block_size
+        seq = sequence_keys(keys, n, prompt.tail, ids, generated, bs)
+        if len(seq) > n // bs:
+            self.router.extend(rid, seq)
 
     def _usage(self, bm: BackendMetrics, data: bytes) -> None:
         cached = _CACHED.findall(data)
@@ -343,13 +379,20 @@ class Forwarder:
 
 class _Stream:
     """A streamed answer being relayed: each upstream read is written to the client as it
-    comes; the last ``_TAIL`` bytes are kept for the usage they may carry."""
+    comes; the last ``_TAIL`` bytes are kept for the usage they may carry. With ``model``,
+    the whole answer is kept until its ``[DONE]``, which ``model`` sees first (the router
+    records its output's blocks before the client can send its next turn; when that takes
+    the backend's tokenizer, ``later`` is the round-trip, awaited before the end)."""
 
-    __slots__ = ("down", "tail")
+    __slots__ = ("answer", "down", "later", "model", "tail")
 
-    def __init__(self, down: FrontConnection, first: bytes) -> None:
+    def __init__(self, down: FrontConnection, first: bytes, model: _Model | None = None) -> None:
         self.down = down
         self.tail = first[-_TAIL:]
+        self.model = model
+        self.answer = bytearray(first) if model is not None else None
+        self.later: asyncio.Future[None] | None = None
+        self._see()
 
     @property
     def ended(self) -> bool:
@@ -358,8 +401,22 @@ class _Stream:
         return end.endswith((b"data: [DONE]", b"data:[DONE]"))
 
     def __call__(self, data: bytes, end: bool) -> None:
-        self.down.write(data, end)
         self.tail = (self.tail + data)[-_TAIL:]
+        if self.answer is not None:
+            self.answer += data
+            self._see()
+        self.down.write(data, end)
+
+    def _see(self) -> None:
+        if self.answer is None or self.model is None:
+            return
+        if len(self.answer) > _MAX_OUTPUT:
+            self.answer = None  # too long to keep: its output is not modelled
+        elif self.ended:
+            later = self.model(bytes(self.answer), True)
+            self.answer = None
+            if later is not None:
+                self.later = asyncio.ensure_future(later)
 
 
 def _answer_headers(ex: Exchange, b: Backend, info: RouteInfo) -> Headers:

@@ -21,8 +21,9 @@ affinity. Stateless apart from the tokenizer; runs on the proxy's loop.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,15 @@ APPROX_BYTES_PER_TOKEN = 4
 Keys = npt.NDArray[np.uint64]
 #: Asks a backend's ``/tokenize`` for the token ids of a body (None: no backend answered).
 RemoteTokenize = Callable[[dict[str, Any]], Awaitable[list[int] | None]]
+
+
+class Keyed(NamedTuple):
+    """A prompt's block keys, its length in tokens, and (when the keys are of token ids) the
+    ids after its last full block, from which the blocks its output completes are keyed."""
+
+    keys: Keys
+    input_length: int
+    tail: Any = None
 
 
 def approx_keys(text: str, block_size: int) -> tuple[Keys, int]:
@@ -57,13 +67,15 @@ class Keyer:
         if mode not in ("approx", "backend"):
             self._tokenizer = load_tokenizer(mode)
 
-    def token_keys(self, ids: Any) -> tuple[Keys, int]:
+    def token_keys(self, ids: Any) -> Keyed:
         try:
-            return kvroute.block_hashes(ids, self.block_size), len(ids)
+            keys = kvroute.block_hashes(ids, self.block_size)
         except KvrouteError as exc:
             raise BadRequest(f"prompt: {exc}", "prompt") from exc
+        n = len(ids)
+        return Keyed(keys, n, np.asarray(ids[n - n % self.block_size :], dtype=np.uint32))
 
-    async def parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], Keys, int]:
+    async def parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], Keys, int, Any]:
         """A body's JSON object, block keys and prompt length (:meth:`parse_now`, then the
         backend's ``/tokenize`` when the mode asks for it)."""
         body, got = self.parse_now(raw, chat)
@@ -71,7 +83,7 @@ class Keyer:
             got = await self.remote_keys(body, chat)
         return body, *got
 
-    def parse_now(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], tuple[Keys, int] | None]:
+    def parse_now(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], Keyed | None]:
         """A body's JSON object and its keys and prompt length, or None for the keys when
         only the backend can tell them (``backend`` mode, text prompt). A completions body's
         token-id prompt is found by a scan of the raw bytes (``kvroute._core.prompt_ids``,
@@ -90,12 +102,12 @@ class Keyer:
         body = parse_body(raw)
         return body, self.keys_now(body, chat)
 
-    async def keys(self, body: dict[str, Any], chat: bool) -> tuple[Keys, int]:
+    async def keys(self, body: dict[str, Any], chat: bool) -> Keyed:
         """The block keys and prompt length of a completions or chat body."""
         got = self.keys_now(body, chat)
         return got if got is not None else await self.remote_keys(body, chat)
 
-    def keys_now(self, body: dict[str, Any], chat: bool) -> tuple[Keys, int] | None:
+    def keys_now(self, body: dict[str, Any], chat: bool) -> Keyed | None:
         """:meth:`keys` without the round-trip: None when it would take one."""
         prompt: Prompt = request_prompt(body, chat)
         if isinstance(prompt, list):
@@ -104,9 +116,9 @@ class Keyer:
             return self.token_keys(self._tokenizer.encode(prompt))
         if self.mode == "backend" and self._remote is not None:
             return None
-        return approx_keys(prompt, self.block_size)
+        return Keyed(*approx_keys(prompt, self.block_size))
 
-    async def remote_keys(self, body: dict[str, Any], chat: bool) -> tuple[Keys, int]:
+    async def remote_keys(self, body: dict[str, Any], chat: bool) -> Keyed:
         """Keys of a text prompt from the backend's ``/tokenize`` (``approx`` when it fails)."""
         prompt = request_prompt(body, chat)
         assert isinstance(prompt, str) and self._remote is not None
@@ -120,7 +132,78 @@ class Keyer:
         ids = await self._remote(query)
         if ids is not None:
             return self.token_keys(ids)
-        return approx_keys(prompt, self.block_size)
+        return Keyed(*approx_keys(prompt, self.block_size))
+
+    @property
+    def exact(self) -> bool:
+        """Whether text is keyed by the engine's own token ids (not ``approx``)."""
+        return self.mode != "approx"
+
+    def output_now(self, raw: bytes, stream: bool) -> tuple[Any, int] | str | None:
+        """The token ids an answer generated and how many tokens it sampled, from the
+        engine's ``token_ids`` when the client asked for them, else from its text by the
+        local tokenizer; the text itself when only the backend can tokenize it; None when
+        nothing is known (``approx`` mode, or no generated text)."""
+        out = answer_output(raw, stream)
+        if out is None:
+            return None
+        ids, text, generated = out
+        if ids is not None:
+            return ids, generated if generated is not None else len(ids)
+        if not text or not self.exact:
+            return None
+        if self._tokenizer is None:
+            return text
+        got = self._tokenizer.encode(text)
+        return got, generated if generated is not None else len(got)
+
+    async def output(self, raw: bytes, stream: bool) -> tuple[Any, int] | None:
+        """:meth:`output_now`, with the backend's ``/tokenize`` for text when it must."""
+        got = self.output_now(raw, stream)
+        if not isinstance(got, str):
+            return got
+        assert self._remote is not None
+        ids = await self._remote({"prompt": got, "add_special_tokens": False})
+        if ids is None:
+            return None
+        generated = answer_output(raw, stream)
+        count = generated[2] if generated is not None else None
+        return ids, count if count is not None else len(ids)
+
+
+def answer_output(raw: bytes, stream: bool) -> tuple[list[int] | None, str, int | None] | None:
+    """The first choice's generated token ids (when the answer carries them), its text, and
+    the usage's ``completion_tokens``, from a whole answer or an SSE stream; None when the
+    answer cannot be read."""
+    ids: list[int] | None = None
+    parts: list[str] = []
+    generated: int | None = None
+    try:
+        if stream:
+            events = [
+                json.loads(line[5:])
+                for line in raw.split(b"\n")
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"
+            ]
+        else:
+            events = [json.loads(raw)]
+        for event in events:
+            for choice in event.get("choices") or ():
+                if choice.get("index", 0) != 0:
+                    continue
+                got = choice.get("token_ids")
+                if isinstance(got, list):
+                    ids = (ids or []) + got
+                message = choice.get("delta") or choice.get("message") or {}
+                text = choice.get("text", message.get("content"))
+                if isinstance(text, str):
+                    parts.append(text)
+            usage = event.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                generated = usage["completion_tokens"]
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return ids, "".join(parts), generated
 
 
 def session_of(value: str | None, body: dict[str, Any], fld: str | None) -> Any:

@@ -8,7 +8,8 @@ request to the proxy's side application (health, metrics, models, tokenize, admi
 stays in Python on the event loop. What it needs from Python it asks through
 :class:`RelayHooks`, with the GIL, from its own thread: the keys of a body (the same
 :class:`~kvroute.proxy.keys.Keyer` as the Python path; ``backend`` mode runs its round-trip on
-the event loop), and a backend's failures and recoveries (applied to the
+the event loop), the tokens an answer generated (when the router keeps vLLM's cache rule, so
+that the blocks they complete are recorded), and a backend's failures and recoveries (applied to the
 :class:`~kvroute.proxy.backends.BackendPool` on the event loop). Its counters are read at
 scrape time by :class:`RelayCollector`, under the same metric names as the Python path's.
 
@@ -68,7 +69,7 @@ class RelayHooks:
         self.key_may_block = keyer.mode == "backend"
 
     def key(self, raw: bytes, chat: bool, header: str | None) -> tuple[Any, ...]:
-        """``(keys, input_length, stream, session)``, or ``(400, error body)``."""
+        """``(keys, input_length, stream, session, tail)``, or ``(400, error body)``."""
         try:
             body, got = self.keyer.parse_now(raw, chat)
             if got is None:
@@ -77,7 +78,16 @@ class RelayHooks:
             stream = wants_stream(body)
         except BadRequest as exc:
             return 400, dumps_json(error_body(str(exc), "invalid_request_error", 400, exc.param))
-        return got[0], got[1], stream, session_of(header, body, self.session_field)
+        session = session_of(header, body, self.session_field)
+        return got.keys, got.input_length, stream, session, got.tail
+
+    def output(self, answer: bytes, stream: bool) -> tuple[Any, int] | None:
+        """The ids an answer generated and how many tokens it sampled, or None."""
+        got = self.keyer.output_now(answer, stream)
+        if isinstance(got, str):  # text only the backend can tokenize: on the event loop
+            later = self.keyer.output(answer, stream)
+            return asyncio.run_coroutine_threadsafe(later, self.loop).result()
+        return got
 
     def failure(self, index: int) -> None:
         self.loop.call_soon_threadsafe(self.pool.failure, self.pool.get(index))

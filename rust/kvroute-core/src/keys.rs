@@ -103,6 +103,38 @@ pub fn block_hashes_u32(tokens: &[u32], block_size: usize) -> Vec<u64> {
         .collect()
 }
 
+/// The keys of the full blocks an engine holds for a request once its output is done: the
+/// prompt's full blocks (the first `input_length / block_size` of `prompt_keys`), then the
+/// blocks that `tail` (the prompt's ids after its last full block) and `output` (the ids it
+/// generated) complete. `generated` tokens were sampled; the last of them was never fed back,
+/// so only the first `input_length + generated - 1` tokens have their KV (vLLM's rule).
+/// O(output).
+pub fn sequence_keys(
+    prompt_keys: &[u64],
+    input_length: u64,
+    tail: &[u32],
+    output: &[u32],
+    generated: u64,
+    block_size: usize,
+) -> Vec<u64> {
+    assert!(block_size > 0, "block_size must be positive");
+    let bs = block_size as u64;
+    let full = prompt_keys.len().min(usize::try_from(input_length / bs).unwrap_or(usize::MAX));
+    let mut keys = prompt_keys[..full].to_vec();
+    if tail.len() as u64 != input_length - full as u64 * bs {
+        return keys; // the tail does not fit the prompt: nothing beyond it is known
+    }
+    let computed = (input_length + generated.saturating_sub(1)).min(input_length + output.len() as u64);
+    let more = usize::try_from(computed / bs).unwrap_or(usize::MAX).saturating_sub(full);
+    let seq: Vec<u32> = tail.iter().chain(output).copied().take(more * block_size).collect();
+    let mut prev = keys.last().copied().unwrap_or(ROOT_SEED);
+    keys.extend(seq.chunks_exact(block_size).map(|block| {
+        prev = hash_block(block, prev);
+        prev
+    }));
+    keys
+}
+
 fn check_range<T: TokenId>(tokens: &[T]) -> Result<(), TokenOutOfRange> {
     match tokens.iter().position(|t| t.to_u32().is_none()) {
         None => Ok(()),
@@ -211,6 +243,21 @@ mod tests {
         assert_eq!(out[3..], chain_ids(&[5, 9])[..]);
         assert_eq!(chain_ids_lists(&values, &[0, 6]), Err(0));
         assert_eq!(chain_ids_lists(&values, &[0, 2, 1]), Err(1));
+    }
+
+    #[test]
+    fn sequence_keys_are_the_keys_of_prompt_and_output_together() {
+        let ids: Vec<u32> = (0..100).collect();
+        let (prompt, output) = ids.split_at(40);
+        let keys = block_hashes_u32(prompt, 32);
+        // 40 + 60 tokens sampled: the first 99 have their KV, three full blocks.
+        let got = sequence_keys(&keys, 40, &prompt[32..], output, 60, 32);
+        assert_eq!(got, block_hashes_u32(&ids[..96], 32));
+        // Fewer sampled than known ids (the text was longer): the sampled count decides.
+        assert_eq!(sequence_keys(&keys, 40, &prompt[32..], output, 25, 32), block_hashes_u32(&ids[..64], 32));
+        // A tail that does not fit the prompt: its full blocks only.
+        assert_eq!(sequence_keys(&keys, 40, &[1], output, 60, 32), keys[..1].to_vec());
+        assert_eq!(sequence_keys(&[], 0, &[], &ids, 100, 32), block_hashes_u32(&ids[..96], 32));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! bools and floats are not. Every failure names the argument, and the item when it is one
 //! item of a sequence. O(len) at most; no state.
 
+use kvroute_core::keys::TokenId;
 use kvroute_core::Id;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -194,6 +195,31 @@ pub fn tokens<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Tokens<'py>>
             .flatten()
     };
     collect_items(obj, name, token_item, "an int").map(Tokens::Owned)
+}
+
+/// Token ids as `u32`, range-checked (an error names `name` and the position).
+pub fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    fn narrow<T: TokenId>(ids: impl Iterator<Item = T>, py: Python<'_>, name: &str) -> PyResult<Vec<u32>> {
+        ids.enumerate()
+            .map(|(i, t)| {
+                t.to_u32().ok_or_else(|| {
+                    invalid(
+                        py,
+                        format!("{name}[{i}] = {} is outside the token id range 0..2**32", t.to_i128()),
+                    )
+                })
+            })
+            .collect()
+    }
+    let py = obj.py();
+    match tokens(obj, name)? {
+        Tokens::U32(a) => Ok(a.as_array().to_vec()),
+        Tokens::I32(a) => narrow(a.as_array().iter().copied(), py, name),
+        Tokens::I64(a) => narrow(a.as_array().iter().copied(), py, name),
+        Tokens::U64(a) => narrow(a.as_array().iter().copied(), py, name),
+        Tokens::OwnedU32(v) => Ok(v),
+        Tokens::Owned(v) => narrow(v.into_iter(), py, name),
+    }
 }
 
 /// The ids of an exact `list` of exact `int`s in `0..2**32` (the common case: a prompt

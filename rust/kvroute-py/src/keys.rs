@@ -1,4 +1,4 @@
-//! Module functions: `block_hashes`, `chain_ids`, `policies`, `prompt_ids`. Stateless,
+//! Module functions: `block_hashes`, `chain_ids`, `sequence_keys`, `policies`, `prompt_ids`. Stateless,
 //! thread-safe; hashing and scanning run with the GIL held (a 200k-token prompt takes well
 //! under a millisecond).
 
@@ -78,6 +78,32 @@ pub fn chain_ids_lists<'py>(
     let out = keys::chain_ids_lists(&vals, &offs)
         .map_err(|i| invalid(py, format!("offsets[{i}..{}] do not describe a list inside values", i + 1)))?;
     Ok(out.into_pyarray(py))
+}
+
+/// The keys of the full blocks an engine holds for a request once its output is done (vLLM's
+/// rule; `kvroute_core::keys::sequence_keys`): the prompt's full blocks, then those that
+/// `tail` (the prompt's ids after its last full block) and `output` (the generated ids)
+/// complete, counting the KV of `input_length + generated - 1` tokens.
+#[pyfunction]
+pub fn sequence_keys<'py>(
+    prompt_keys: &Bound<'py, PyAny>,
+    input_length: &Bound<'py, PyAny>,
+    tail: &Bound<'py, PyAny>,
+    output: &Bound<'py, PyAny>,
+    generated: &Bound<'py, PyAny>,
+    block_size: i64,
+) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let py = prompt_keys.py();
+    let bs = usize::try_from(block_size)
+        .ok()
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid(py, format!("block_size must be positive, got {block_size}")))?;
+    let keys = convert::keys(prompt_keys, "prompt_keys")?;
+    let n = convert::count(input_length, "input_length")?;
+    let tail = convert::token_ids(tail, "tail")?;
+    let output = convert::token_ids(output, "output")?;
+    let generated = convert::count(generated, "generated")?;
+    Ok(keys::sequence_keys(keys.as_slice(), n, &tail, &output, generated, bs).into_pyarray(py))
 }
 
 /// Names of every routing policy.

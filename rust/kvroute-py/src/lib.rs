@@ -23,6 +23,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keys::chain_ids, m)?)?;
     m.add_function(wrap_pyfunction!(keys::chain_ids_lists, m)?)?;
     m.add_function(wrap_pyfunction!(keys::policies, m)?)?;
+    m.add_function(wrap_pyfunction!(keys::sequence_keys, m)?)?;
     m.add_function(wrap_pyfunction!(keys::prompt_ids, m)?)?;
     m.add_function(wrap_pyfunction!(ceilings::ceilings, m)?)?;
     #[cfg(unix)]

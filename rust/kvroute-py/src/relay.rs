@@ -2,7 +2,10 @@
 //! Python class. The Python proxy binds the listening socket, runs the control plane (the
 //! side application, health checks, admin), and hands the relay a `hooks` object whose
 //! methods the relay's threads call with the GIL: `key(body, chat, session_header)` →
-//! `(keys, input_length, stream, session)` or `(status, error_body)`; `failure(index)`;
+//! `(keys, input_length, stream, session, tail)` or `(status, error_body)` (`tail`: the
+//! prompt's ids after its last full block, None unless keyed by token ids);
+//! `output(answer, stream)` → `(ids, generated)` or None (the tokens an answer generated, when
+//! the router models vLLM's cache rule); `failure(index)`;
 //! `success(index)`; `log_error(message)`; and its attribute `key_may_block` says whether
 //! `key` may wait on the network (it then runs on a thread of its own).
 //!
@@ -19,10 +22,11 @@ use kvroute_core::relay::io::Address;
 use kvroute_core::relay::stats::{ErrorKind, Stats};
 use kvroute_core::relay::stats::{Histogram, BRANCHES};
 use kvroute_core::relay::{Backend, Backends, Hooks, Keyed, Refusal, Relay, RelayConfig};
+use kvroute_core::CacheRule;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
-use crate::convert::{keys, optional_id};
+use crate::convert::{keys, optional_id, token_ids};
 use crate::errors::invalid;
 use crate::router::PyRouter;
 
@@ -50,12 +54,23 @@ impl PyHooks {
             return Ok(Err(Refusal { status, body }));
         }
         let k = keys(&got.get_item(0)?, "keys")?;
+        let tail = got.get_item(4)?;
         Ok(Ok(Keyed {
             keys: k.as_slice().to_vec(),
             input_length: got.get_item(1)?.extract()?,
             stream: got.get_item(2)?.extract()?,
             session: optional_id(Some(&got.get_item(3)?), "session")?,
+            tail: if tail.is_none() { None } else { Some(token_ids(&tail, "tail")?) },
         }))
+    }
+
+    fn call_output(&self, py: Python<'_>, answer: &[u8], stream: bool) -> PyResult<Option<(Vec<u32>, u64)>> {
+        let got = self.hooks.bind(py).call_method1("output", (PyBytes::new(py, answer), stream))?;
+        if got.is_none() {
+            return Ok(None);
+        }
+        let got = got.cast::<PyTuple>()?;
+        Ok(Some((token_ids(&got.get_item(0)?, "output ids")?, got.get_item(1)?.extract()?)))
     }
 
     fn call(&self, method: &str, arg: impl for<'py> IntoPyObject<'py>) {
@@ -79,6 +94,15 @@ impl Hooks for PyHooks {
 
     fn key_may_block(&self) -> bool {
         self.key_may_block
+    }
+
+    fn output(&self, answer: &[u8], stream: bool) -> Option<(Vec<u32>, u64)> {
+        Python::attach(|py| {
+            self.call_output(py, answer, stream).unwrap_or_else(|e| {
+                e.write_unraisable(py, None);
+                None
+            })
+        })
     }
 
     fn failure(&self, index: usize) {
@@ -196,6 +220,7 @@ impl PyRelay {
         if max_concurrency == 0 || max_body == 0 {
             return Err(invalid(py, "max_body and max_concurrency must be at least 1".into()));
         }
+        let router_config = router.shared().lock().unwrap_or_else(|e| e.into_inner()).config().clone();
         let config = RelayConfig {
             max_body,
             request_timeout: seconds(py, request_timeout_s, "request_timeout_s")?,
@@ -206,10 +231,8 @@ impl PyRelay {
             retries,
             session_header: session_header.to_ascii_lowercase(),
             session_field,
-            block_size: usize::try_from(
-                router.shared().lock().unwrap_or_else(|e| e.into_inner()).config().block_size,
-            )
-            .unwrap_or(usize::MAX),
+            block_size: usize::try_from(router_config.block_size).unwrap_or(usize::MAX),
+            model_output: router_config.cache_rule == CacheRule::Vllm,
             side: address(py, side, "the side application")?,
             decision_log,
         };

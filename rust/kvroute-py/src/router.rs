@@ -215,6 +215,12 @@ impl PyRouter {
         self.lock().policy().name()
     }
 
+    /// The cache rule: `"trace"` or `"vllm"`.
+    #[getter]
+    fn cache_rule(&self) -> &'static str {
+        self.lock().config().cache_rule.name()
+    }
+
     /// Number of instances ever added.
     #[getter]
     fn num_instances(&self) -> usize {

@@ -68,7 +68,9 @@ pub fn token_prompt(
         session = Some(Id::Str(h.to_owned()));
     }
     let input_length = prompt.ids.len() as u64;
-    Some(Keyed { keys: block_hashes_u32(&prompt.ids, block_size), input_length, stream, session })
+    let keys = block_hashes_u32(&prompt.ids, block_size);
+    let tail = Some(prompt.ids[prompt.ids.len() - prompt.ids.len() % block_size..].to_vec());
+    Some(Keyed { keys, input_length, stream, session, tail })
 }
 
 /// A session field's value: `Some(None)` for no session, `None` when unsure.

@@ -26,9 +26,12 @@ use super::upstream::{Exchange, ReadError, Watch};
 use super::usage::{usage, Tail};
 use super::{Backend, Keyed, Refusal, Shared};
 use crate::jobs::locked;
+use crate::keys::sequence_keys;
 use crate::{Decision, Error, Id};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
+/// The longest answer whose output is modelled (longer ones are relayed all the same).
+const MAX_OUTPUT: usize = 16 << 20;
 
 /// An attempt that failed before any byte reached the client.
 struct Fail {
@@ -145,7 +148,7 @@ pub(super) async fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, mut
                 terms,
             });
         }
-        let a = Attempt { sh, req, b: &b, bs: &bs, decision: &decision, rid: &rid };
+        let a = Attempt { sh, req, keyed: &keyed, b: &b, bs: &bs, decision: &decision, rid: &rid };
         match a.run(&headers, keyed.stream, down, &mut w).await {
             Ok(()) => return,
             Err(Outcome::ClientGone) => {
@@ -224,6 +227,7 @@ fn success(sh: &Shared, i: usize, b: &Backend) {
 struct Attempt<'a> {
     sh: &'a Shared,
     req: &'a Request,
+    keyed: &'a Keyed,
     b: &'a Backend,
     bs: &'a BackendStats,
     decision: &'a Decision,
@@ -280,10 +284,15 @@ impl Attempt<'_> {
         ];
         let mut answer = without(&head.headers, &DROP);
         answer.extend(extra.iter().map(|(k, v)| (*k, v.as_str())));
+        let mut output =
+            (head.status == 200 && sh.config.model_output && self.keyed.tail.is_some()).then(Vec::new);
         if !(stream && head.status == 200) {
             let body = ex.whole_body(w, timeout).await.map_err(gone_or_fail)?;
             ex.finish(&sh.pool);
             success(sh, i, b);
+            if output.is_some() {
+                self.extend(body.clone(), false).await;
+            }
             usage(self.bs, &body);
             self.bs.e2e.observe(self.req.t0.elapsed());
             down.send(head.status, &answer, &body, None).await;
@@ -303,9 +312,10 @@ impl Attempt<'_> {
         locked(&sh.router).first_token(self.rid);
         self.bs.ttft.observe(self.req.t0.elapsed());
         success(sh, i, b);
-        down.start(200, &answer, &piece).await;
         let mut tail = Tail::default();
         tail.push(&piece);
+        self.collect(&mut output, &piece, &tail).await;
+        down.start(200, &answer, &piece).await;
         // Once `data: [DONE]` went out the request is complete: a client that hangs up then
         // (the openai package does, before the body's last chunk) or a backend that fails
         // after it changes nothing but the connections.
@@ -314,8 +324,9 @@ impl Attempt<'_> {
             match ex.body(w, timeout, &mut piece).await {
                 Ok(end) => {
                     done = end;
-                    down.write(&piece, end).await;
                     tail.push(&piece);
+                    self.collect(&mut output, &piece, &tail).await;
+                    down.write(&piece, end).await;
                 }
                 Err(ReadError::ClientGone) => down.gone = true,
                 Err(_) if tail.ended() => break,
@@ -333,6 +344,37 @@ impl Attempt<'_> {
         usage(self.bs, tail.bytes());
         self.bs.e2e.observe(self.req.t0.elapsed());
         Ok(())
+    }
+
+    /// Keep a streamed answer's bytes while its output is modelled (`output`), and once its
+    /// `[DONE]` is in, before the client can see it, record the output's blocks.
+    async fn collect(&self, output: &mut Option<Vec<u8>>, piece: &[u8], tail: &Tail) {
+        let Some(answer) = output.as_mut() else { return };
+        answer.extend_from_slice(piece);
+        if answer.len() > MAX_OUTPUT {
+            *output = None; // too long to keep: this answer's output is not modelled
+        } else if tail.ended() {
+            let answer = output.take().unwrap_or_default();
+            self.extend(answer, true).await;
+        }
+    }
+
+    /// Record in the router the blocks the engine stored for this request's output (vLLM keeps
+    /// the blocks it completes), from the token ids the hooks find in `answer`.
+    async fn extend(&self, answer: Vec<u8>, stream: bool) {
+        let (sh, k) = (self.sh, self.keyed);
+        let Some(tail) = &k.tail else { return };
+        let got = if sh.hooks.key_may_block() {
+            let hooks = std::sync::Arc::clone(&sh.hooks);
+            tokio::task::spawn_blocking(move || hooks.output(&answer, stream)).await.ok().flatten()
+        } else {
+            sh.hooks.output(&answer, stream)
+        };
+        let Some((ids, generated)) = got else { return };
+        let keys = sequence_keys(&k.keys, k.input_length, tail, &ids, generated, sh.config.block_size);
+        if keys.len() as u64 > k.input_length / sh.config.block_size as u64 {
+            locked(&sh.router).extend(self.rid, &keys);
+        }
     }
 
     async fn midstream(&self, e: &ReadError, down: &mut Down<'_>) {

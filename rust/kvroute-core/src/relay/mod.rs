@@ -70,6 +70,9 @@ pub struct RelayConfig {
     pub session_field: Option<String>,
     /// Tokens per block key (the router's).
     pub block_size: usize,
+    /// Record the blocks each answer's output completes in the router (the router keeps
+    /// vLLM's cache rule): through [`Hooks::output`], for requests keyed by token ids.
+    pub model_output: bool,
     /// Where the other requests go.
     pub side: Address,
     /// JSONL decision log, when wanted.
@@ -87,6 +90,9 @@ pub struct Keyed {
     pub stream: bool,
     /// The session id, if any.
     pub session: Option<Id>,
+    /// When the keys are of token ids: the prompt's ids after its last full block (the
+    /// start of the first block its output may complete).
+    pub tail: Option<Vec<u32>>,
 }
 
 /// An answer instead of forwarding (a body the API refuses): status and JSON body.
@@ -103,8 +109,12 @@ pub trait Hooks: Send + Sync {
     /// The routing inputs of a generation request's body (`chat`: the chat endpoint), given
     /// the session header's value.
     fn key(&self, body: &[u8], chat: bool, session_header: Option<&str>) -> Result<Keyed, Refusal>;
-    /// Whether [`Hooks::key`] may wait on the network (then it runs off the event loop).
+    /// Whether [`Hooks::key`] and [`Hooks::output`] may wait on the network (then they run
+    /// off the event loop).
     fn key_may_block(&self) -> bool;
+    /// The token ids an answer (`stream`: its SSE body) generated, as far as they are known,
+    /// and how many tokens it sampled.
+    fn output(&self, answer: &[u8], stream: bool) -> Option<(Vec<u32>, u64)>;
     /// Backend `index` failed a request (connection, 5xx, timeout, mid-stream).
     fn failure(&self, index: usize);
     /// Backend `index`, marked failing, served a request well.
