@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -65,7 +64,7 @@ def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         realvllm.ensure_model(realvllm.ensure_venv())
     except realvllm.HarnessError as exc:
         pytest.skip(f"real vLLM engines cannot be made here: {exc}")
-    ports = free_ports(4)
+    ports = realvllm.free_ports(4)
     logs = tmp_path_factory.mktemp("vllm-logs")
     engines = realvllm.start_engines(2, ports[:2], ports[2:], logs)
     try:
@@ -73,14 +72,3 @@ def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     finally:
         engines.stop()
 
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
