@@ -2,8 +2,10 @@
 
 Measures, in one run: how long two engines take to answer ``/health``; a 2,000-token prompt
 cold and then cached (one output token, straight to an engine); and what ``kvroute proxy``
-adds to small requests, direct and through the proxy alternately (p50 and p90 of the whole
-request, the same prompts). Prints a table; ``--json`` prints the numbers.
+adds to small requests, direct and through two proxies in turn (p50 and p90 of the whole
+request, the same prompts): one with the proxy's default vLLM cache rule, which reads each
+answer's output to record its blocks, and one with the trace rule, which does not. Prints a
+table; ``--json`` prints the numbers.
 
     .venv/bin/python benches/real_vllm.py [--requests 60] [--json]
 
@@ -24,9 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import realvllm  # noqa: E402
-
-from kvroute.proxy import Proxy, ProxyConfig, ServerThread  # noqa: E402
+import realvllm
+from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -64,9 +65,10 @@ def main() -> int:
     print(f"two engines, start to /health: {result['start_to_health_s']} s")
     for key in ("prefill_2000_cold_ms", "prefill_2000_cached_ms"):
         print(f"{key}: {result[key]}")
-    for key in ("direct", "proxy"):
-        print(f"{key:>6}: p50 {result[key]['p50_ms']} ms, p90 {result[key]['p90_ms']} ms")
-    print(f"added by the proxy: p50 {result['added_p50_ms']} ms")
+    for key in ("direct", "proxy", "proxy_trace_rule"):
+        print(f"{key:>16}: p50 {result[key]['p50_ms']} ms, p90 {result[key]['p90_ms']} ms")
+        if key != "direct":
+            print(f"{'':>16}  added at p50: {result[f'added_p50_ms_{key}']} ms")
     return 0
 
 
@@ -74,21 +76,23 @@ def measure(engines: realvllm.Engines, requests: int) -> dict[str, Any]:
     url = engines[0].url + "/v1/completions"
     cold, cached = [], []
     for i in range(5):
-        prompt = [1000 + i] + list(range(2000, 3999))
+        prompt = [1000 + i, *range(2000, 3999)]
         cold.append(post(url, {"model": "tiny", "prompt": prompt, "max_tokens": 1})[0])
         t, out = post(url, {"model": "tiny", "prompt": prompt, "max_tokens": 1})
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 1984
         cached.append(t)
     with ServerThread() as st:
-        config = ProxyConfig(
-            backends=[engines[0].url], policy="unified", router_options={"block_size": 32}
-        )
-        proxy_url = st.start(Proxy(config)) + "/v1/completions"
-        times: dict[str, list[float]] = {"direct": [], "proxy": []}
+        targets = {"direct": url}
+        for name, rule in (("proxy", "vllm"), ("proxy_trace_rule", "trace")):
+            options = {"block_size": 32, "cache_rule": rule}
+            config = ProxyConfig(backends=[engines[0].url], router_options=options)
+            targets[name] = st.start(Proxy(config)) + "/v1/completions"
+        times: dict[str, list[float]] = {name: [] for name in targets}
+        names = list(targets)
         for i in range(requests):
             body = {"model": "tiny", "prompt": [5000 + i % 7] * 200, "max_tokens": 4}
-            for name, target in (("direct", url), ("proxy", proxy_url)):
-                times[name].append(post(target, body)[0])
+            for name in names[i % 3 :] + names[: i % 3]:  # each goes first in turn
+                times[name].append(post(targets[name], body)[0])
 
     def ms(x: float) -> float:
         return round(1000 * x, 2)
@@ -99,7 +103,9 @@ def measure(engines: realvllm.Engines, requests: int) -> dict[str, Any]:
     }
     for name, xs in times.items():
         out[name] = {"p50_ms": ms(pct(xs, 0.5)), "p90_ms": ms(pct(xs, 0.9))}
-    out["added_p50_ms"] = ms(statistics.median(times["proxy"]) - statistics.median(times["direct"]))
+    direct = statistics.median(times["direct"])
+    for name in ("proxy", "proxy_trace_rule"):
+        out[f"added_p50_ms_{name}"] = ms(statistics.median(times[name]) - direct)
     return out
 
 

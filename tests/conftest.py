@@ -71,4 +71,3 @@ def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield engines
     finally:
         engines.stop()
-

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ CHAT_TEMPLATE = (
 )
 
 Log = Callable[[str], None]
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class HarnessError(RuntimeError):
@@ -420,9 +422,18 @@ def start_engine(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, {core % ncores}),
+            preexec_fn=lambda: _child_setup(core % ncores),
         )
     return Engine(port, events_port, core, process, log_path)
+
+
+def _child_setup(core: int) -> None:
+    """In the engine's process before vLLM starts: pin it to ``core``, and have the kernel
+    send it SIGTERM when the process that started it dies (no engine outlives its harness)."""
+    os.sched_setaffinity(0, {core})
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def wait_healthy(engines: list[Engine], timeout: float = 300.0) -> None:
@@ -507,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"realvllm: {exc}", file=sys.stderr)
         return 1
     print(" ".join(engines.urls), flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the engines on SIGTERM too
     try:
         while all(e.alive() for e in engines):
             time.sleep(1.0)

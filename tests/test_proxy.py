@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import numpy as np
@@ -544,3 +544,80 @@ def test_relay_keying_agrees_with_the_python_keyer(
     session = session_of(header, body, "session_id")
     python = (keyed[0].tolist(), keyed[1], wants_stream(body), session)
     assert (got[0].tolist(), got[1], got[2], got[3]) == python
+
+
+# -- the blocks an answer's output completes ------------------------------------------------
+
+
+def test_answer_output_reads_ids_text_and_usage() -> None:
+    from kvroute.proxy.keys import answer_output
+
+    whole = {
+        "choices": [{"index": 0, "text": "ab", "token_ids": [5, 6]}, {"index": 1, "text": "x"}],
+        "usage": {"completion_tokens": 2},
+    }
+    assert answer_output(json.dumps(whole).encode(), False) == ([5, 6], "ab", 2)
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "he"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "llo"}, "finish_reason": "length"}]},
+        {"choices": [], "usage": {"completion_tokens": 2}},
+    ]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    assert answer_output(stream + b"data: [DONE]\n\n", True) == (None, "hello", 2)
+    assert answer_output(b"data: {oops\n\n", True) is None
+    keyer = Keyer("approx", 4)
+    assert keyer.output_now(stream, True) is None  # approx: text cannot be tokenized exactly
+    assert keyer.output_now(json.dumps(whole).encode(), False) == ([5, 6], 2)
+
+
+class IdsEngine:
+    """A fake engine whose answers carry ``token_ids``, as vLLM's do with
+    ``return_token_ids``: 20 ids after the prompt, 20 tokens sampled."""
+
+    OUTPUT: ClassVar[list[int]] = list(range(900, 920))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.Response()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        choice = {"index": 0, "text": "t", "token_ids": self.OUTPUT, "finish_reason": "length"}
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(self.OUTPUT)}
+        if not body.get("stream"):
+            return web.json_response({"choices": [choice], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+        await asyncio.sleep(0.05)
+        tail = {"choices": [], "usage": usage}
+        await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_router_records_the_blocks_an_output_completes(stream: bool) -> None:
+    """A 45-token prompt with 20 tokens sampled: the engine holds the KV of 64 tokens, two
+    blocks of 32, the second made of the prompt's last 13 ids and 19 of the output."""
+    with ServerThread() as st:
+        backend = st.start(IdsEngine().app())
+        config = ProxyConfig(backends=[backend], router_options={"block_size": 32})
+        proxy = Proxy(config)
+        url = st.start(proxy)
+        prompt = list(range(100, 145))
+        body = {"prompt": prompt, "max_tokens": 20, "stream": stream}
+        status, _, _ = http("POST", url + "/v1/completions", body)
+        assert status == 200
+        sequence = prompt + IdsEngine.OUTPUT
+        held = kvroute.block_hashes(sequence[:64], 32)
+        assert [int(k) for k in proxy.router.cached_keys(0)] == [int(k) for k in held]
+        # The next turn (the whole conversation and more) hits both blocks.
+        more = sequence + [7] * 10
+        assert proxy.router.estimate_cache_hits(kvroute.block_hashes(more, 32), len(more)) == [64]

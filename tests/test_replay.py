@@ -17,7 +17,7 @@ from kvroute.cli import main
 from kvroute.errors import InvalidArgumentError
 from kvroute.metrics import summarize
 from kvroute.records import read_records, record_schema, run_info
-from kvroute.replay import FIRST_ID, ReplayConfig, prompt_tokens, replay
+from kvroute.replay import FIRST_ID, ReplayConfig, ReplayError, prompt_tokens, replay
 from kvroute.trace import read_trace, write_trace
 from livekit import Stack, small_trace
 
@@ -128,6 +128,19 @@ def test_failures_are_recorded(stack: Stack) -> None:
     assert all(e and e.startswith("HTTP 404") for e in errors)
     assert records.column("first_token").null_count == 2
     assert summarize(records)["errors"] == 2
+
+
+def test_a_refused_cache_reset_stops_the_run(stack: Stack, tmp_path: Path) -> None:
+    """The emulators answer ``/reset_prefix_cache`` with 404, as vLLM does outside its dev
+    mode: the proxy says which backend refused, and the replay stops before any request."""
+    trace = small_trace(sessions=1, turns=1)
+    with pytest.raises(ReplayError, match=r"backend 0.*VLLM_SERVER_DEV_MODE"):
+        replay(trace, ReplayConfig(url=stack.url, time_scale=0, reset_cache=True))
+    path = write_trace(trace, tmp_path / "t.parquet")
+    args = ["replay", str(path), "--url", stack.url, "--reset-cache", "--no-progress"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "r.parquet")])
+    assert result.exit_code != 0 and "reset_prefix_cache" in result.output
+    assert not (tmp_path / "r.parquet").exists()
 
 
 def test_replay_command(stack: Stack, tmp_path: Path) -> None:

@@ -18,7 +18,13 @@ byte.
 
 The relay of a stream runs in the upstream connection's ``data_received``: each chunk from
 the backend is written to the client as it comes (:mod:`.upstream`, :mod:`.front`), with no
-task switch per chunk.
+task switch per chunk. A stream whose ``data: [DONE]`` went out is complete whatever follows.
+
+With the router on vLLM's cache rule and keys of token ids, the blocks an answer's output
+completes are recorded (``Router.extend``) before its end goes to the client; when that needs
+the backend's ``/tokenize`` (text, ``backend`` mode) this data path does it just after the
+``[DONE]`` was written, so a client quick enough may route its next turn before (the native
+path waits for it).
 
 Per request: O(prompt) keying plus one router decision; loop-affine.
 """

@@ -15,8 +15,14 @@ the keys a trace of these ids would have). Text prompts, and chat messages rende
   template too): exact, at the cost of one extra round-trip to a backend per text request.
   When it fails the request is keyed ``approx``.
 
+Keys of token ids come with the prompt's ids after its last full block (:class:`Keyed`), and
+an answer's generated ids are read back from it (:meth:`Keyer.output`: the engine's
+``token_ids`` when the client asked for them, else its text tokenized as prompts are), so that
+the proxy can record the blocks the output completes (``docs/semantics.md`` §1).
+
 Sessions come from a header (``X-Session-Id`` by default) or else a body field; none means no
-affinity. Stateless apart from the tokenizer; runs on the proxy's loop.
+affinity. Stateless apart from the tokenizer; runs on the proxy's loop (``output_now`` on any
+thread).
 """
 
 from __future__ import annotations
@@ -144,6 +150,8 @@ class Keyer:
         engine's ``token_ids`` when the client asked for them, else from its text by the
         local tokenizer; the text itself when only the backend can tokenize it; None when
         nothing is known (``approx`` mode, or no generated text)."""
+        if not self.exact and b'"token_ids"' not in raw:
+            return None  # no ids in the answer, and its text cannot be tokenized exactly
         out = answer_output(raw, stream)
         if out is None:
             return None

@@ -67,6 +67,9 @@ class RelayHooks:
         self.session_field = session_field
         #: ``key`` may wait for a backend's ``/tokenize``: the relay calls it off its loop.
         self.key_may_block = keyer.mode == "backend"
+        #: ``output`` can tokenize an answer's text (else the relay only asks about answers
+        #: that carry the engine's ``token_ids``).
+        self.output_from_text = keyer.exact
 
     def key(self, raw: bytes, chat: bool, header: str | None) -> tuple[Any, ...]:
         """``(keys, input_length, stream, session, tail)``, or ``(400, error body)``."""

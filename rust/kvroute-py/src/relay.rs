@@ -7,7 +7,8 @@
 //! `output(answer, stream)` → `(ids, generated)` or None (the tokens an answer generated, when
 //! the router models vLLM's cache rule); `failure(index)`;
 //! `success(index)`; `log_error(message)`; and its attribute `key_may_block` says whether
-//! `key` may wait on the network (it then runs on a thread of its own).
+//! `key` may wait on the network (it then runs on a thread of its own), and `output_from_text`
+//! whether `output` can tokenize text (else it only gets answers with `token_ids`).
 //!
 //! Thread-safety: the relay's thread never holds the router lock while it waits for the GIL
 //! (lock order GIL → router, as in `router.rs`); `stop` waits without the GIL.
@@ -233,6 +234,7 @@ impl PyRelay {
             session_field,
             block_size: usize::try_from(router_config.block_size).unwrap_or(usize::MAX),
             model_output: router_config.cache_rule == CacheRule::Vllm,
+            output_from_text: hooks.bind(py).getattr("output_from_text")?.is_truthy()?,
             side: address(py, side, "the side application")?,
             decision_log,
         };

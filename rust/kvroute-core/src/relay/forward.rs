@@ -364,6 +364,9 @@ impl Attempt<'_> {
     async fn extend(&self, answer: Vec<u8>, stream: bool) {
         let (sh, k) = (self.sh, self.keyed);
         let Some(tail) = &k.tail else { return };
+        if !sh.config.output_from_text && !answer.windows(11).any(|w| w == b"\"token_ids\"") {
+            return; // nothing the hooks could read the output's ids from
+        }
         let got = if sh.hooks.key_may_block() {
             let hooks = std::sync::Arc::clone(&sh.hooks);
             tokio::task::spawn_blocking(move || hooks.output(&answer, stream)).await.ok().flatten()

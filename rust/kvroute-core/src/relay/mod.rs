@@ -73,6 +73,9 @@ pub struct RelayConfig {
     /// Record the blocks each answer's output completes in the router (the router keeps
     /// vLLM's cache rule): through [`Hooks::output`], for requests keyed by token ids.
     pub model_output: bool,
+    /// Whether the hooks can tokenize an answer's text (else only answers that carry
+    /// `token_ids` go to [`Hooks::output`]).
+    pub output_from_text: bool,
     /// Where the other requests go.
     pub side: Address,
     /// JSONL decision log, when wanted.
