@@ -109,6 +109,7 @@ class ReferenceRouter:
         block_size: int = 512,
         cache_capacity_blocks: int | None = None,
         cache_rule: str = "trace",
+        max_sessions: int | None = None,
         overload_factor: float = 2.0,
         hit_ratio_gate: float = 0.5,
         seed: int = 0,
@@ -153,7 +154,10 @@ class ReferenceRouter:
         self.temperature = temperature
         self.instances = [Instance() for _ in range(num_instances)]
         self.requests: dict[Any, InFlight] = {}
-        self.affinity: dict[Any, int] = {}
+        self.affinity: OrderedDict[Any, int] = OrderedDict()  # least recently routed first
+        if max_sessions is not None and max_sessions <= 0:
+            raise InvalidArgumentError("max_sessions must be positive or None")
+        self.max_sessions = max_sessions
         self.rr = 0
         self.rng = SplitMix64(seed)
 
@@ -251,6 +255,10 @@ class ReferenceRouter:
         self.instances.append(Instance())
         return len(self.instances) - 1
 
+    @property
+    def num_sessions(self) -> int:
+        return len(self.affinity)
+
     def session_affinity(self, session_id: Any) -> int | None:
         return self.affinity.get(_check_id(session_id))
 
@@ -291,6 +299,9 @@ class ReferenceRouter:
         self.requests[request_id] = InFlight(chosen, input_length, new_prefill)
         if session_id is not None and self.policy in AFFINITY_POLICIES:
             self.affinity[session_id] = chosen
+            self.affinity.move_to_end(session_id)
+            while self.max_sessions is not None and len(self.affinity) > self.max_sessions:
+                self.affinity.popitem(last=False)
         return {"instance": chosen, "hit_tokens": hit, "new_prefill": new_prefill, "branch": branch}
 
     def extend(self, request_id: Any, hash_ids: Any) -> bool:

@@ -46,6 +46,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
         "cache_capacity_blocks": draw(st.sampled_from([None, None, 1, 2, 3, 5, 8, 32])),
         "seed": draw(st.one_of(st.integers(0, 3), st.integers(0, 2**63 - 1))),
         "cache_rule": draw(st.sampled_from(["trace", "vllm"])),
+        "max_sessions": draw(st.sampled_from([None, None, 1, 2, 3])),
     }
     if policy == "unified":
         kw["overload_factor"] = draw(st.sampled_from([2.0, 0.0, 1.0, 1.5, 4.0]))
@@ -152,6 +153,7 @@ def assert_same_state(rust: kvroute.Router, ref: ReferenceRouter) -> None:
     assert rust.state() == ref.state()
     assert rust.num_instances == ref.num_instances
     assert rust.in_flight == ref.in_flight
+    assert rust.num_sessions == ref.num_sessions
     for i in range(ref.num_instances):
         assert rust.cached_keys(i) == ref.cached_keys(i), f"cache of instance {i}"
     for s in SESSIONS:
@@ -282,6 +284,7 @@ def test_reference_has_the_router_api() -> None:
         "extend",
         "policy",
         "num_instances",
+        "num_sessions",
         "block_size",
         "in_flight",
     }

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import kvroute
 from kvroute._core import prompt_ids
+from kvroute.emulator import EmulatorConfig, emulator_app
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.proxy.keys import Keyer, approx_keys, session_of
@@ -280,6 +281,28 @@ def test_streams_are_relayed_chunk_by_chunk(recorded: tuple) -> None:
         ("/v1/chat/completions", b'{"messages": []}', "messages"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', "messages"),
         ("/v1/chat/completions", b"\xff\xfe", None),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", None),
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+            "messages",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": [1, 2], "session_id": 1180591620717411303424}',
+            "session_id",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "a", "session_id": 1180591620717411303424}',
+            "session_id",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": [1], "session_id": "' + b"s" * 257 + b'"}',
+            "session_id",
+        ),
     ],
 )
 def test_malformed_bodies_get_openai_400(
@@ -293,6 +316,19 @@ def test_malformed_bodies_get_openai_400(
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == 400
     assert len(rec.bodies) == n  # nothing reached the backend
     assert app.router.in_flight == 0
+
+
+def test_an_overlong_session_header_is_refused(recorded: tuple) -> None:
+    _, url, rec, app = recorded
+    n = len(rec.bodies)
+    for body in ({"prompt": [1, 2]}, {"prompt": "text"}):
+        status, _, raw = http("POST", url + "/v1/completions", body, {"X-Session-Id": "s" * 257})
+        assert status == 400 and "256 bytes" in json.loads(raw)["error"]["message"]
+    assert len(rec.bodies) == n and app.router.in_flight == 0
+    status, _, _ = http(
+        "POST", url + "/v1/completions", {"prompt": [1]}, {"X-Session-Id": "s" * 256}
+    )
+    assert status == 200
 
 
 def test_body_size_limit(recorded: tuple) -> None:
@@ -318,6 +354,52 @@ def test_health_models_and_no_backend_503() -> None:
         assert status == 503 and json.loads(raw)["error"]["type"] == "service_unavailable"
         assert http("GET", s.url + "/health")[0] == 503
         s.assert_counters_zero()
+
+
+@pytest.mark.parametrize(
+    "bad", ["http://127.0.0.1:99999", "http://127.0.0.1:abc", "http://[::1", "http://", "ftp://x"]
+)
+def test_admin_refuses_a_url_that_does_not_parse(bad: str) -> None:
+    """It answered 500 and left a router instance with no backend, to which later requests
+    were routed (and failed): a 400 naming the field, and the router is unchanged."""
+    with Stack(1, proxy={"admin_token": "k", "policy": "round_robin"}) as s:
+        auth = {"Authorization": "Bearer k"}
+        status, _, raw = http("POST", s.url + "/admin/backends", {"url": bad}, auth)
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["param"] == "url" and err["message"].startswith("url: ")
+        assert s.proxy.router.num_instances == 1 and len(s.proxy.pool) == 1
+        for i in range(4):
+            body = {"prompt": [i], "max_tokens": 1}
+            assert http("POST", s.url + "/v1/completions", body)[0] == 200
+        s.assert_counters_zero()
+
+
+def test_the_session_map_is_bounded() -> None:
+    """It kept every session id forever: the router keeps the most recently routed ones."""
+    config = {"policy": "sticky", "router_options": {"max_sessions": 50}}
+    with Stack(2, proxy=config) as s:
+        for i in range(200):
+            body = {"prompt": [i], "max_tokens": 1}
+            assert (
+                http("POST", s.url + "/v1/completions", body, {"X-Session-Id": f"s{i}"})[0] == 200
+            )
+        assert s.proxy.router.num_sessions == 50
+        assert s.proxy.router.session_affinity("s199") is not None
+        assert s.proxy.router.session_affinity("s0") is None
+    assert Proxy(ProxyConfig(backends=[])).router.num_sessions == 0
+
+
+def test_backend_credentials_stay_out_of_metrics_and_headers() -> None:
+    with ServerThread() as st:
+        engine = st.start(emulator_app(EmulatorConfig(speedup=50)))
+        secret_url = engine.replace("http://", "http://user:s3cret@")
+        proxy = Proxy(ProxyConfig(backends=[secret_url], admin_token="k"))
+        url = st.start(proxy)
+        status, headers, _ = http("POST", url + "/v1/completions", {"prompt": [1], "max_tokens": 1})
+        assert status == 200 and headers["X-Kvroute-Backend"] == engine
+        for path in ("/metrics", "/admin/backends"):
+            text = http("GET", url + path, headers={"Authorization": "Bearer k"})[2].decode()
+            assert engine in text and "s3cret" not in text, path
 
 
 def test_admin_api() -> None:

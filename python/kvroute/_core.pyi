@@ -81,6 +81,7 @@ class Router:
         block_size: int = 512,
         cache_capacity_blocks: int | None = None,
         cache_rule: Literal["trace", "vllm"] = "trace",
+        max_sessions: int | None = None,
         overload_factor: float = 2.0,
         hit_ratio_gate: float = 0.5,
         seed: int = 0,
@@ -123,6 +124,8 @@ class Router:
     def block_size(self) -> int: ...
     @property
     def cache_rule(self) -> str: ...
+    @property
+    def num_sessions(self) -> int: ...
     @property
     def in_flight(self) -> int: ...
 

@@ -66,9 +66,13 @@ class Admin:
             url = body.get("url")
             if not isinstance(url, str):
                 raise BadRequest("'url' must be a string", "url")
-            b = self.pool.add(url)
-        except (BadRequest, InvalidArgumentError) as exc:
-            return json_error(400, str(exc), "invalid_request_error")
+            try:
+                b = self.pool.add(url)  # checks the URL before the router changes
+            except InvalidArgumentError as exc:
+                raise BadRequest(f"url: {exc}", "url") from exc
+        except BadRequest as exc:
+            body = error_body(str(exc), "invalid_request_error", 400, exc.param)
+            return web.json_response(body, status=400)
         return web.json_response(b.describe(), status=201)
 
     async def remove(self, request: web.Request) -> web.Response:

@@ -49,6 +49,9 @@ from kvroute.proxy.serving import app_runner, http_url
 from kvroute.proxy.upstream import Address, UpstreamPool
 
 log = logging.getLogger("kvroute.proxy")
+#: Sessions whose affinity the proxy's router keeps by default (the most recently routed;
+#: with session ids of at most 256 bytes, a few tens of MiB at most).
+MAX_SESSIONS = 1 << 18
 
 
 class Proxy:
@@ -56,7 +59,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        options = {"cache_rule": "vllm", **config.router_options}
+        options = {"cache_rule": "vllm", "max_sessions": MAX_SESSIONS, **config.router_options}
         self.router = kvroute.Router(len(config.backends), config.policy, **options)
         self.pool = BackendPool(config, self.router)
         self.native = config.data_path == "native"
@@ -137,7 +140,7 @@ class Proxy:
         return bound
 
     def _urls(self) -> list[str]:
-        return [b.url for b in self.pool.backends]
+        return [b.label for b in self.pool.backends]
 
     def _relay_stats(self) -> dict[str, Any] | None:
         return None if self._relay is None else self._relay.stats()

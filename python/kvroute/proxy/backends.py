@@ -26,7 +26,7 @@ import aiohttp
 import kvroute
 from kvroute.errors import InvalidArgumentError, UnknownInstanceError
 from kvroute.proxy.config import ProxyConfig, normalize_url
-from kvroute.proxy.upstream import Address, address_of
+from kvroute.proxy.upstream import Address, address_of, without_credentials
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -45,13 +45,16 @@ class Backend:
     address: Address = field(init=False)
     host: str = field(init=False)
     prefix: str = field(init=False)
+    #: The URL without credentials: what metrics, logs, headers and errors show.
+    label: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.address, self.prefix = address_of(self.url)
-        self.host = urlsplit(self.url).netloc
+        self.label = without_credentials(self.url)
+        self.host = urlsplit(self.label).netloc
 
     def describe(self) -> dict[str, Any]:
-        return {"index": self.index, "url": self.url, "up": self.up, "removed": self.removed}
+        return {"index": self.index, "url": self.label, "up": self.up, "removed": self.removed}
 
 
 class BackendPool:
@@ -75,7 +78,7 @@ class BackendPool:
 
     def _place(self, b: Backend) -> None:
         if self.relay is not None:
-            self.relay.set_backend(b.index, b.url, b.address, b.host, b.prefix)
+            self.relay.set_backend(b.index, b.label, b.address, b.host, b.prefix)
             self._note(b)
 
     def _note(self, b: Backend) -> None:
@@ -108,12 +111,9 @@ class BackendPool:
                 self._sync(b)
                 self._note(b)
                 return b
-        index = (
-            self.router.add_instance()
-            if len(self.backends) >= self.router.num_instances
-            else len(self.backends)
-        )
-        b = Backend(index, url)
+        b = Backend(len(self.backends), url)  # checks the URL before the router changes
+        if b.index >= self.router.num_instances:
+            b.index = self.router.add_instance()
         self.backends.append(b)
         self._sync(b)
         self._place(b)
@@ -145,7 +145,7 @@ class BackendPool:
         self._note(b)
         if b.up and b.failures >= self.config.unhealthy_after:
             b.up = False
-            log.warning("backend %s is down after %d failures", b.url, b.failures)
+            log.warning("backend %s is down after %d failures", b.label, b.failures)
             self._sync(b)
 
     def success(self, b: Backend) -> None:
@@ -159,7 +159,7 @@ class BackendPool:
         b.successes += 1
         if not b.up and b.successes >= self.config.healthy_after:
             b.up = True
-            log.warning("backend %s is up again", b.url)
+            log.warning("backend %s is up again", b.label)
             self._sync(b)
 
     async def check(self, session: aiohttp.ClientSession, b: Backend) -> bool:

@@ -29,9 +29,10 @@ def default_data_path() -> str:
 
 def normalize_url(url: str) -> str:
     """``url`` without trailing slashes; ``http://`` added when it has no scheme."""
-    url = url.strip().rstrip("/")
+    url = url.strip()
     if "://" not in url:
         url = "http://" + url
+    url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise InvalidArgumentError(f"backend URL must be http(s)://host:port, got {url!r}")
     return url

@@ -84,15 +84,15 @@ class EngineEndpoints:
         try:
             return await self._send(b, request, "/" + request.match_info["name"], None)
         except _ERRORS as exc:
-            return json_error(502, f"backend {index} ({b.url}) failed: {exc!r}", "bad_gateway")
+            return json_error(502, f"backend {index} ({b.label}) failed: {exc!r}", "bad_gateway")
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         live = self.pool.live()
         if not live:
             return json_error(503, "no backend is available", "service_unavailable")
         answers = await asyncio.gather(*(self._reset(b, request) for b in live))
-        refused = [f"backend {b.index} ({b.url}): {why}" for b, why in answers if why]
-        body: dict[str, Any] = {"reset": [b.url for b, why in answers if not why]}
+        refused = [f"backend {b.index} ({b.label}): {why}" for b, why in answers if why]
+        body: dict[str, Any] = {"reset": [b.label for b, why in answers if not why]}
         if refused:
             message = "reset_prefix_cache refused by " + "; ".join(refused)
             return json_error(502, message, "bad_gateway")

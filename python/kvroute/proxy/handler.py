@@ -132,11 +132,12 @@ class Forwarder:
         try:
             body, keys, n_in, tail = await self.keyer.parse(req.body, chat)
             stream = wants_stream(body)
+            header = req.head.get(self._session_header)
+            session = session_of(header, body, self.config.session_field)
         except BadRequest as exc:
             self.metrics.error("bad_request")
             down.send_json(400, error_body(str(exc), "invalid_request_error", 400, exc.param))
             return
-        session = session_of(req.head.get(self._session_header), body, self.config.session_field)
         headers = without(req.head.headers, HOP)
         prompt = Keyed(keys, n_in, tail if self._model_output else None)
         async with self._sem:
@@ -183,7 +184,7 @@ class Forwarder:
                 if attempt == 0:
                     self.metrics.routing.observe(time.perf_counter() - req.t0)
                 b = self.pool.get(info["instance"])
-                bm = self.metrics.backend(b.url)
+                bm = self.metrics.backend(b.label)
                 bm.decision(info["branch"])
                 bm.estimated.inc(info["hit_tokens"])
                 if self.log is not None:
@@ -373,7 +374,7 @@ class Forwarder:
                 "session": session,
                 "attempt": attempt,
                 "instance": info["instance"],
-                "backend": b.url,
+                "backend": b.label,
                 "branch": info["branch"],
                 "input_length": n_in,
                 "estimated_hit_tokens": info["hit_tokens"],
@@ -430,6 +431,6 @@ def _answer_headers(ex: Exchange, b: Backend, info: RouteInfo) -> Headers:
     return [
         *without(ex.headers, DROP),
         ("X-Kvroute-Instance", str(b.index)),
-        ("X-Kvroute-Backend", b.url),
+        ("X-Kvroute-Backend", b.label),
         ("X-Kvroute-Hit-Tokens", str(info["hit_tokens"])),
     ]

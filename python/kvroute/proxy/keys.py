@@ -41,6 +41,8 @@ from kvroute.proxy.prompts import BadRequest, Prompt, chat_messages, parse_body,
 from kvroute.tokenize import Tokenizer, load_tokenizer
 
 APPROX_BYTES_PER_TOKEN = 4
+#: Longest session id accepted (header or body field), in bytes.
+MAX_SESSION_ID_BYTES = 256
 Keys = npt.NDArray[np.uint64]
 #: Asks a backend's ``/tokenize`` for the token ids of a body (None: no backend answered).
 RemoteTokenize = Callable[[dict[str, Any]], Awaitable[list[int] | None]]
@@ -216,13 +218,24 @@ def answer_output(raw: bytes, stream: bool) -> tuple[list[int] | None, str, int 
 
 def session_of(value: str | None, body: dict[str, Any], fld: str | None) -> Any:
     """The session id of a request (a string or an int), or None: the session header's
-    ``value`` when there is one, else the body's field ``fld``."""
+    ``value`` when there is one, else the body's field ``fld``. A string id longer than
+    :data:`MAX_SESSION_ID_BYTES` bytes, a number that is not a 64-bit integer, is refused
+    (:class:`BadRequest`); any other value (null, a boolean, an empty string, ...) is no
+    session."""
     if value:
+        if len(value) > MAX_SESSION_ID_BYTES:
+            raise BadRequest(f"the session header is longer than {MAX_SESSION_ID_BYTES} bytes")
         return value
     if fld is not None:
         got = body.get(fld)
         if isinstance(got, str) and got:
+            if len(got.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
+                raise BadRequest(f"'{fld}' is longer than {MAX_SESSION_ID_BYTES} bytes", fld)
             return got
+        if isinstance(got, float) or (
+            isinstance(got, int) and not isinstance(got, bool) and not -(2**63) <= got < 2**63
+        ):  # (a JSON parser may read an integer beyond 64 bits as a float)
+            raise BadRequest(f"'{fld}' must be a string or a 64-bit integer, got {got}", fld)
         if isinstance(got, int) and not isinstance(got, bool):
             return got
     return None

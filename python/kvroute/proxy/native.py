@@ -79,9 +79,9 @@ class RelayHooks:
                 remote = self.keyer.remote_keys(body, chat)
                 got = asyncio.run_coroutine_threadsafe(remote, self.loop).result()
             stream = wants_stream(body)
+            session = session_of(header, body, self.session_field)
         except BadRequest as exc:
             return 400, dumps_json(error_body(str(exc), "invalid_request_error", 400, exc.param))
-        session = session_of(header, body, self.session_field)
         return got.keys, got.input_length, stream, session, got.tail
 
     def output(self, answer: bytes, stream: bool) -> tuple[Any, int] | None:

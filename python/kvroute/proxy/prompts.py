@@ -48,11 +48,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     """The JSON object of a request body."""
     try:
         body = _fast_loads(raw) if _fast_loads is not None else json.loads(raw)
-    except ValueError:  # orjson refuses NaN and >64-bit integers, which json takes: json decides
+    except (ValueError, RecursionError):  # orjson refuses NaN and >64-bit integers: json decides
         try:
             body = json.loads(raw)
         except ValueError as exc:
             raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise BadRequest("the request body is nested too deeply") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -127,8 +129,19 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
 
 
 def request_prompt(body: dict[str, Any], chat: bool) -> Prompt:
-    """The prompt a completions or chat body carries (chat rendered with :func:`render_chat`)."""
-    return render_chat(chat_messages(body)) if chat else completion_prompt(body)
+    """The prompt a completions or chat body carries (chat rendered with :func:`render_chat`).
+    Text must be valid Unicode: JSON's ``\\ud800`` escapes can make lone surrogates, which no
+    tokenizer takes."""
+    prompt = render_chat(chat_messages(body)) if chat else completion_prompt(body)
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            field = "messages" if chat else "prompt"
+            raise BadRequest(
+                f"{field}: the text has a lone surrogate at {exc.start}", field
+            ) from exc
+    return prompt
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

@@ -47,12 +47,26 @@ Address = tuple[str, str, int]
 
 
 def address_of(url: str) -> tuple[Address, str]:
-    """The address of an ``http(s)://host:port[/prefix]`` URL and its path prefix."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    """The address of an ``http(s)://host:port[/prefix]`` URL and its path prefix; an
+    :class:`InvalidArgumentError` for anything else (no host, a port that is not a number
+    in 1-65535, an unclosed IPv6 bracket, ...)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidArgumentError(f"backend URL {url!r} does not parse: {exc}") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
         raise InvalidArgumentError(f"backend URL must be http(s)://host:port, got {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = port or (443 if parts.scheme == "https" else 80)
     return (parts.scheme, parts.hostname, port), parts.path.rstrip("/")
+
+
+def without_credentials(url: str) -> str:
+    """``url`` without a ``user:password@`` part (for labels, logs and headers)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
 class Exchange:

@@ -6,7 +6,8 @@
 //!   worker thread for its touches).
 //! - [`jobs`]: a job queue for a second thread (the simulator's engines and touches).
 //! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
-//! - [`router`]: the request state machine that ties them together.
+//! - [`router`]: the request state machine that ties them together (`sessions`: the
+//!   session affinity map, optionally LRU-bounded).
 //! - [`ceilings`]: APC ceilings of a whole trace (parallel, rayon).
 //! - [`relay`]: the proxy's compiled data path (HTTP/1.1 relay, a thread per connection).
 //! - [`sim`]: the cluster simulator (engines, dispatch, sweeps) around the router.
@@ -28,6 +29,7 @@ pub mod prompt_scan;
 pub mod relay;
 pub mod rng;
 pub mod router;
+pub mod sessions;
 pub mod sim;
 mod stamped;
 

@@ -19,6 +19,7 @@ use crate::keys::hit_tokens;
 use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
 use crate::policy::{Policy, PolicyParams};
 use crate::rng::SplitMix64;
+use crate::sessions::Affinity;
 
 /// Largest accepted `input_length` (2^40 tokens): far above any real prompt, and small enough
 /// that the per-instance sums cannot overflow with fewer than 2^23 requests in flight.
@@ -96,6 +97,8 @@ pub struct RouterConfig {
     pub cache_capacity_blocks: Option<usize>,
     /// Which blocks are stored and can hit.
     pub cache_rule: CacheRule,
+    /// Sessions whose affinity is kept (the most recently routed); `None` = every session.
+    pub max_sessions: Option<usize>,
     /// Seed of the RNG used by `random`, `power_of_two` and `dynamo_cost`.
     pub seed: u64,
     /// Policy parameters.
@@ -108,6 +111,7 @@ impl Default for RouterConfig {
             block_size: 512,
             cache_capacity_blocks: None,
             cache_rule: CacheRule::Trace,
+            max_sessions: None,
             seed: 0,
             params: PolicyParams::default(),
         }
@@ -152,7 +156,7 @@ pub struct Router {
     loads: Vec<InstanceLoad>,
     cache: CacheCell,
     requests: FxHashMap<Id, InFlight>,
-    affinity: FxHashMap<Id, usize>,
+    affinity: Affinity,
     state: PickState,
     walk: PrefixWalk,
     /// Σ num_requests and the number of instances, over the available instances (kept up to
@@ -177,7 +181,7 @@ impl Router {
             loads: vec![InstanceLoad { available: true, ..InstanceLoad::default() }; num_instances],
             cache: CacheCell::new(ClusterCache::new(num_instances, config.cache_capacity_blocks)),
             requests: FxHashMap::default(),
-            affinity: FxHashMap::default(),
+            affinity: Affinity::new(config.max_sessions),
             state: PickState { rr: 0, rng: SplitMix64::new(config.seed), tied: Vec::new() },
             walk: PrefixWalk::default(),
             available_totals: (0, num_instances as u64),
@@ -221,8 +225,7 @@ impl Router {
                 "input_length must be at most 2**40 tokens, got {input_length}"
             )));
         }
-        let affinity =
-            session.and_then(|s| self.affinity.get(s).copied()).filter(|&a| self.loads[a].available);
+        let affinity = session.and_then(|s| self.affinity.get(s)).filter(|&a| self.loads[a].available);
         let (lookup, stored) =
             self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size);
         let cache = self.cache.lock();
@@ -266,7 +269,7 @@ impl Router {
         load.pending_prefill_tokens = pending;
         self.cache.touch(instance, &keys[..stored], &mut self.walk);
         if let (Some(s), true) = (session, self.uses_affinity()) {
-            self.affinity.insert(s.clone(), instance);
+            self.affinity.set(s, instance);
         }
         self.requests
             .insert(request, InFlight { instance, input_length, new_prefill, first_token_seen: false });
@@ -397,7 +400,12 @@ impl Router {
 
     /// The affinity instance of a session, if it has one.
     pub fn session_affinity(&self, session: &Id) -> Option<usize> {
-        self.affinity.get(session).copied()
+        self.affinity.get(session)
+    }
+
+    /// Number of sessions with an affinity instance.
+    pub fn num_sessions(&self) -> usize {
+        self.affinity.len()
     }
 
     /// Keys resident on an instance, most recent first.

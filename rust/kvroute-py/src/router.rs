@@ -41,7 +41,7 @@ fn positive(py: Python<'_>, value: i64, name: &str) -> PyResult<u64> {
 impl PyRouter {
     #[new]
     #[pyo3(signature = (num_instances, policy = "unified", *, block_size = 512, cache_capacity_blocks = None,
-        cache_rule = "trace", overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
+        cache_rule = "trace", max_sessions = None, overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
         balance_rel = 1.1, overlap_weight = 1.0, temperature = 0.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -51,6 +51,7 @@ impl PyRouter {
         block_size: i64,
         cache_capacity_blocks: Option<i64>,
         cache_rule: &str,
+        max_sessions: Option<i64>,
         overload_factor: f64,
         hit_ratio_gate: f64,
         seed: i64,
@@ -68,6 +69,10 @@ impl PyRouter {
             block_size: positive(py, block_size, "block_size")?,
             cache_capacity_blocks: capacity.map(|c| c as usize),
             cache_rule: CacheRule::from_name(cache_rule).map_err(|e| to_py(py, e))?,
+            max_sessions: max_sessions
+                .map(|c| positive(py, c, "max_sessions"))
+                .transpose()?
+                .map(|c| c as usize),
             seed: u64::try_from(seed).map_err(|_| invalid(py, format!("seed must be >= 0, got {seed}")))?,
             params: PolicyParams {
                 overload_factor,
@@ -185,6 +190,12 @@ impl PyRouter {
     fn session_affinity(&self, session_id: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let sid = id(session_id, "session_id")?;
         Ok(self.lock().session_affinity(&sid))
+    }
+
+    /// Number of sessions with an affinity instance (at most `max_sessions`).
+    #[getter]
+    fn num_sessions(&self) -> usize {
+        self.lock().num_sessions()
     }
 
     /// Keys resident on an instance's cache model, most recently touched first.

@@ -67,11 +67,17 @@ pub fn token_prompt(
     if let Some(h) = session_header.filter(|h| !h.is_empty()) {
         session = Some(Id::Str(h.to_owned()));
     }
+    if matches!(&session, Some(Id::Str(s)) if s.len() > MAX_SESSION_ID_BYTES) {
+        return None; // the hooks refuse it, in their words
+    }
     let input_length = prompt.ids.len() as u64;
     let keys = block_hashes_u32(&prompt.ids, block_size);
     let tail = Some(prompt.ids[prompt.ids.len() - prompt.ids.len() % block_size..].to_vec());
     Some(Keyed { keys, input_length, stream, session, tail })
 }
+
+/// Longest session id accepted (the Python keyer's `MAX_SESSION_ID_BYTES`).
+pub const MAX_SESSION_ID_BYTES: usize = 256;
 
 /// A session field's value: `Some(None)` for no session, `None` when unsure.
 fn session_value(value: &[u8]) -> Option<Option<Id>> {
@@ -86,7 +92,7 @@ fn session_value(value: &[u8]) -> Option<Option<Id>> {
         }
         b'-' | b'0'..=b'9' => {
             if value.iter().any(|c| matches!(c, b'.' | b'e' | b'E')) {
-                return Some(None); // a float: not a session
+                return None; // a float: the hooks refuse it
             }
             std::str::from_utf8(value).ok()?.parse::<i64>().ok().map(|i| Some(Id::Int(i)))
         }

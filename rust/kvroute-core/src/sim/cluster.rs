@@ -114,6 +114,7 @@ pub fn run(
             block_size: trace.block_size,
             cache_capacity_blocks: cache,
             cache_rule: crate::CacheRule::Trace,
+            max_sessions: None,
             seed: cfg.seed,
             params: cfg.params.clone(),
         },
