@@ -240,7 +240,7 @@ impl<'a> Json<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::token_prompt;
+    use super::{token_prompt, MAX_SESSION_ID_BYTES};
     use crate::Id;
 
     fn key(body: &str, header: Option<&str>) -> Option<(u64, bool, Option<Id>)> {
@@ -261,8 +261,21 @@ mod tests {
         );
         assert_eq!(key(r#"{"prompt":[1],"session_id":"a"}"#, Some("h")), Some((1, false, s("h"))));
         assert_eq!(key(r#"{"prompt":[1],"session_id":""}"#, Some("")), Some((1, false, None)));
-        assert_eq!(key(r#"{"prompt":[1],"session_id":2.0,"stream":false}"#, None), Some((1, false, None)));
         assert_eq!(key(r#"{"session_id":"a","session_id":null,"prompt":[1]}"#, None), Some((1, false, None)));
+    }
+
+    /// Session ids the hooks refuse: a float, a number beyond 64 bits, a string too long.
+    #[test]
+    fn doubtful_sessions_go_to_the_hook() {
+        let long = format!(r#"{{"prompt":[1],"session_id":"{}"}}"#, "s".repeat(MAX_SESSION_ID_BYTES + 1));
+        for body in [
+            r#"{"prompt":[1],"session_id":2.0}"#,
+            r#"{"prompt":[1],"session_id":1180591620717411303424}"#,
+            &long,
+        ] {
+            assert_eq!(key(body, None), None, "{body}");
+        }
+        assert_eq!(key(r#"{"prompt":[1]}"#, Some(&"h".repeat(MAX_SESSION_ID_BYTES + 1))), None);
     }
 
     #[test]
