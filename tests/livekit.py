@@ -56,8 +56,14 @@ def sse_events(raw: bytes) -> list[Any]:
     return out
 
 
-def spawn(command: str, *args: str, timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
-    """Start ``kvroute COMMAND --port 0 ARGS`` as a subprocess; the process and its URL."""
+def spawn(
+    command: str,
+    *args: str,
+    timeout: float = 60.0,
+    preexec: Callable[[], None] | None = None,
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``kvroute COMMAND --port 0 ARGS`` as a subprocess (``preexec`` runs in it before
+    kvroute starts); the process and its URL."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvroute", command, "--port", "0", *args],
@@ -65,6 +71,7 @@ def spawn(command: str, *args: str, timeout: float = 60.0) -> tuple[subprocess.P
         stdout=subprocess.DEVNULL,
         text=True,
         env=env,
+        preexec_fn=preexec,
     )
     assert proc.stderr is not None
     deadline = time.monotonic() + timeout

@@ -213,6 +213,34 @@ def test_health_checks_take_backends_down_and_up() -> None:
         s.assert_counters_zero()
 
 
+def test_running_out_of_file_descriptors_is_logged_once_per_interval(data_path: str) -> None:
+    """With no file descriptor left, every retry of accept fails: the relay logged each one
+    (about 100 lines a second); now one line per interval, with a count. (asyncio, on the
+    python path, pauses accepting for a second after such a failure and logs it itself.)"""
+    import resource
+
+    def few_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    args = ("--backend", "http://127.0.0.1:9", "--data-path", data_path)
+    proc, url = spawn("proxy", *args, preexec=few_files)
+    parts = urlsplit(url)
+    socks = []
+    try:
+        for _ in range(120):  # the kernel queues them; the proxy cannot take them all
+            socks.append(socket.create_connection((parts.hostname, parts.port), timeout=5))
+        time.sleep(3.0)
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    if data_path == "native":
+        assert 1 <= err.count("accept failed") <= 2, err[-2000:]
+        assert "Too many open files" in err
+    assert err.count("accept") <= 4, err[-2000:]
+
+
 def _metric_total(text: str, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 

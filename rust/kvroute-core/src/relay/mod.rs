@@ -261,6 +261,7 @@ impl Drop for Relay {
 async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
     let mut stop = sh.stop.subscribe();
     let mut sweep = tokio::time::interval(Duration::from_secs(1));
+    let mut accept_errors = AcceptErrors::default();
     let grace = loop {
         if let Some(grace) = *stop.borrow() {
             break grace;
@@ -276,7 +277,7 @@ async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
                     });
                 }
                 Err(e) => {
-                    sh.hooks.log_error(&format!("accept failed: {e}"));
+                    accept_errors.note(sh.hooks.as_ref(), &e);
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
@@ -298,6 +299,34 @@ async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
             () = closed => {}
             () = &mut deadline => return,
         }
+    }
+}
+
+/// How often failures to accept a connection are logged at most (out of file descriptors,
+/// they come back at every retry).
+const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Failures to accept, logged at most once per [`ACCEPT_LOG_INTERVAL`] with how many more
+/// there were since the last line.
+#[derive(Default)]
+struct AcceptErrors {
+    logged: Option<std::time::Instant>,
+    since: u64,
+}
+
+impl AcceptErrors {
+    fn note(&mut self, hooks: &dyn Hooks, e: &std::io::Error) {
+        let now = std::time::Instant::now();
+        if self.logged.is_some_and(|t| now.duration_since(t) < ACCEPT_LOG_INTERVAL) {
+            self.since += 1;
+            return;
+        }
+        let more = match self.since {
+            0 => String::new(),
+            n => format!(" ({n} more failures since the last report)"),
+        };
+        hooks.log_error(&format!("accept failed: {e}{more}; retrying"));
+        (self.logged, self.since) = (Some(now), 0);
     }
 }
 
