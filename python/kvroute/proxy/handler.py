@@ -47,7 +47,7 @@ from kvroute.proxy.backends import Backend, BackendPool
 from kvroute.proxy.config import ProxyConfig
 from kvroute.proxy.front import FrontConnection, Request, dumps_json
 from kvroute.proxy.http1 import Headers, without
-from kvroute.proxy.keys import Keyed, Keyer, Keys, session_of
+from kvroute.proxy.keys import Keyed, Keyer, Keys, TextOutput, session_of
 from kvroute.proxy.observe import BackendMetrics, DecisionLog, ProxyMetrics
 from kvroute.proxy.prompts import BadRequest, error_body, wants_stream
 from kvroute.proxy.upstream import Exchange, UpstreamPool
@@ -331,14 +331,19 @@ class Forwarder:
         """Record the blocks an answer's output completed (vLLM stores them), when its ids
         are known at once; else the coroutine that asks the backend to tokenize its text."""
         got = self.keyer.output_now(answer, stream)
-        if isinstance(got, str):
-            return self._model(rid, prompt, answer, stream)
+        if isinstance(got, TextOutput):
+            return self._tokenize_then_extend(rid, prompt, got)
         if got is not None:
             self._extend(rid, prompt, *got)
         return None
 
     async def _model(self, rid: int, prompt: Keyed, answer: bytes, stream: bool) -> None:
-        got = await self.keyer.output(answer, stream)
+        got = self._model_now(rid, prompt, answer, stream)
+        if got is not None:
+            await got
+
+    async def _tokenize_then_extend(self, rid: int, prompt: Keyed, out: TextOutput) -> None:
+        got = await self.keyer.tokenize_output(out)
         if got is not None:
             self._extend(rid, prompt, *got)
 

@@ -147,11 +147,11 @@ class Keyer:
         """Whether text is keyed by the engine's own token ids (not ``approx``)."""
         return self.mode != "approx"
 
-    def output_now(self, raw: bytes, stream: bool) -> tuple[Any, int] | str | None:
+    def output_now(self, raw: bytes, stream: bool) -> tuple[Any, int] | TextOutput | None:
         """The token ids an answer generated and how many tokens it sampled, from the
         engine's ``token_ids`` when the client asked for them, else from its text by the
-        local tokenizer; the text itself when only the backend can tokenize it; None when
-        nothing is known (``approx`` mode, or no generated text)."""
+        local tokenizer; its :class:`TextOutput` when only the backend can tokenize it; None
+        when nothing is known (``approx`` mode, or no generated text)."""
         if not self.exact and b'"token_ids"' not in raw:
             return None  # no ids in the answer, and its text cannot be tokenized exactly
         out = answer_output(raw, stream)
@@ -163,22 +163,30 @@ class Keyer:
         if not text or not self.exact:
             return None
         if self._tokenizer is None:
-            return text
+            return TextOutput(text, generated)
         got = self._tokenizer.encode(text)
         return got, generated if generated is not None else len(got)
 
     async def output(self, raw: bytes, stream: bool) -> tuple[Any, int] | None:
         """:meth:`output_now`, with the backend's ``/tokenize`` for text when it must."""
         got = self.output_now(raw, stream)
-        if not isinstance(got, str):
-            return got
+        return await self.tokenize_output(got) if isinstance(got, TextOutput) else got
+
+    async def tokenize_output(self, out: TextOutput) -> tuple[Any, int] | None:
+        """The ids of an answer's text from the backend's ``/tokenize`` (None: no answer)."""
         assert self._remote is not None
-        ids = await self._remote({"prompt": got, "add_special_tokens": False})
+        ids = await self._remote({"prompt": out.text, "add_special_tokens": False})
         if ids is None:
             return None
-        generated = answer_output(raw, stream)
-        count = generated[2] if generated is not None else None
-        return ids, count if count is not None else len(ids)
+        return ids, out.generated if out.generated is not None else len(ids)
+
+
+class TextOutput(NamedTuple):
+    """An answer's generated text, which only the backend can tokenize, and how many tokens
+    the usage says it sampled (None: not said)."""
+
+    text: str
+    generated: int | None
 
 
 def answer_output(raw: bytes, stream: bool) -> tuple[list[int] | None, str, int | None] | None:

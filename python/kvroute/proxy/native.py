@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from kvroute.proxy.backends import BackendPool
 from kvroute.proxy.front import dumps_json
-from kvroute.proxy.keys import Keyer, session_of
+from kvroute.proxy.keys import Keyer, TextOutput, session_of
 from kvroute.proxy.observe import LATENCY_BUCKETS, ROUTING_BUCKETS
 from kvroute.proxy.prompts import BadRequest, error_body, wants_stream
 
@@ -87,8 +87,8 @@ class RelayHooks:
     def output(self, answer: bytes, stream: bool) -> tuple[Any, int] | None:
         """The ids an answer generated and how many tokens it sampled, or None."""
         got = self.keyer.output_now(answer, stream)
-        if isinstance(got, str):  # text only the backend can tokenize: on the event loop
-            later = self.keyer.output(answer, stream)
+        if isinstance(got, TextOutput):  # text only the backend can tokenize: on the loop
+            later = self.keyer.tokenize_output(got)
             return asyncio.run_coroutine_threadsafe(later, self.loop).result()
         return got
 

@@ -18,10 +18,7 @@ pub fn block_hashes<'py>(
     block_size: i64,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let py = token_ids.py();
-    let bs = usize::try_from(block_size)
-        .ok()
-        .filter(|&b| b > 0)
-        .ok_or_else(|| invalid(py, format!("block_size must be positive, got {block_size}")))?;
+    let bs = block_size_arg(py, block_size)?;
     let tokens = convert::tokens(token_ids, "token_ids")?;
     let result = match &tokens {
         Tokens::U32(a) => match a.as_slice() {
@@ -41,6 +38,14 @@ pub fn block_hashes<'py>(
         invalid(py, format!("token_ids[{position}] = {value} is outside the token id range 0..2**32"))
     })?;
     Ok(keys.into_pyarray(py))
+}
+
+/// A `block_size` argument: a positive integer.
+fn block_size_arg(py: Python<'_>, block_size: i64) -> PyResult<usize> {
+    usize::try_from(block_size)
+        .ok()
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid(py, format!("block_size must be positive, got {block_size}")))
 }
 
 /// Hash a numpy array in place when it is contiguous, else a copy of it.
@@ -94,10 +99,7 @@ pub fn sequence_keys<'py>(
     block_size: i64,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let py = prompt_keys.py();
-    let bs = usize::try_from(block_size)
-        .ok()
-        .filter(|&b| b > 0)
-        .ok_or_else(|| invalid(py, format!("block_size must be positive, got {block_size}")))?;
+    let bs = block_size_arg(py, block_size)?;
     let keys = convert::keys(prompt_keys, "prompt_keys")?;
     let n = convert::count(input_length, "input_length")?;
     let tail = convert::token_ids(tail, "tail")?;
