@@ -428,7 +428,8 @@ class ReferenceRouter:
         hi, lo = max(loads), min(loads)
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return min(avail, key=lambda i: self.instances[i].num_requests), "load_balance"
-        best = max(avail, key=lambda i: self.matched_blocks(i, keys))  # first-seen maximum
+        lookup = self.lookup(keys, n)  # the keys that may hit, by the cache rule
+        best = max(avail, key=lambda i: self.matched_blocks(i, lookup))  # first-seen maximum
         rate = 0.0 if n == 0 else self.hit(best, keys, n) / n
         if rate > self.cache_threshold:
             return best, "cache_match"
