@@ -90,43 +90,7 @@ class AiohttpClient:
         await self.http.close()
 
 
-class RawClient:
-    """Streaming requests with kvroute's own keep-alive HTTP/1.1 client (``proxy/upstream``):
-    a lighter harness, so that less of the machine goes to the clients."""
-
-    def __init__(self) -> None:
-        from kvroute.proxy.upstream import UpstreamPool
-
-        self.pool = UpstreamPool(connect_timeout=5.0, read_timeout=60.0)
-
-    async def stream(self, url: str, data: bytes, session: str) -> tuple[bool, float | None]:
-        from kvroute.proxy.handler import upstream_request
-        from kvroute.proxy.upstream import address_of
-
-        (address, prefix), host = address_of(url), url.split("://", 1)[1]
-        headers = [("Content-Type", "application/json"), ("X-Session-Id", session)]
-        req = upstream_request("POST", prefix + "/v1/completions", host, headers, data)
-        first = None
-
-        def started(_ex: Any) -> None:
-            nonlocal first
-            first = time.perf_counter()
-
-        try:
-            ex = (await self.pool.acquire(address)).send(req, stream=True)
-        except OSError:
-            return False, None
-        ex.on_first = started
-        await ex.done
-        tail = ex.body[-1] if ex.body else b""
-        return ex.error is None and ex.status == 200 and tail.endswith(b"data: [DONE]\n\n"), first
-
-    async def close(self) -> None:
-        self.pool.close()
-
-
-Client = AiohttpClient | RawClient
-CLIENTS = {"aiohttp": AiohttpClient, "raw": RawClient}
+Client = AiohttpClient
 
 
 async def _one(
@@ -186,11 +150,10 @@ async def phase(
     warmup: float,
     streams: int = 0,
     rate: float = 0.0,
-    client: str = "aiohttp",
 ) -> dict[str, Any]:
     """Closed-loop ``streams`` or open-loop ``rate`` for ``warmup + seconds``; the stats of
     the measured part."""
-    http = CLIENTS[client]()
+    http = AiohttpClient()
     try:
 
         async def run(until: float, into: dict[str, list[float]]) -> None:
@@ -228,22 +191,14 @@ def compare(
     rates: tuple[float, ...] = RATES,
     concurrency: tuple[int, ...] = CONCURRENCY,
     baseline: str | None = None,
-    client: str = "aiohttp",
-    python_path: bool = False,
 ) -> list[dict[str, Any]]:
     """Direct and proxied phases, alternating, at each concurrency (closed loop) and each
     rate (open loop); one row per load. ``baseline``: the Python tree of another kvroute
-    whose proxy runs beside this one, in its own phases (``baseline_*`` columns).
-    ``python_path``: this checkout's proxy on its asyncio data path too (``python_*``).
-    ``client``: the harness's HTTP client (``aiohttp`` or ``raw``)."""
+    whose proxy runs beside this one, in its own phases (``baseline_*`` columns)."""
     from kvroute.proxy.serving import new_event_loop
 
     engine, engine_url = spawn("engine", "--preset", "fast")
     proxies = {"proxy": spawn("proxy", "--backend", engine_url, "--policy", "unified")}
-    if python_path:
-        proxies["python"] = spawn(
-            "proxy", "--backend", engine_url, "--policy", "unified", "--data-path", "python"
-        )
     if baseline is not None:
         proxies["baseline"] = spawn(
             "proxy", "--backend", engine_url, "--policy", "unified", source=baseline
@@ -257,12 +212,10 @@ def compare(
                 cpu = dict.fromkeys(proxies, 0.0)
                 for _ in range(rounds):
                     per = seconds / rounds
-                    got["direct"].append(
-                        runner.run(phase(engine_url, per, warmup, client=client, **load))
-                    )
+                    got["direct"].append(runner.run(phase(engine_url, per, warmup, **load)))
                     for mode, (proc, url) in proxies.items():
                         before = cpu_seconds(proc.pid)
-                        got[mode].append(runner.run(phase(url, per, warmup, client=client, **load)))
+                        got[mode].append(runner.run(phase(url, per, warmup, **load)))
                         cpu[mode] += cpu_seconds(proc.pid) - before
                 row: dict[str, Any] = {
                     "load": f"{load['streams']} streams"
@@ -294,7 +247,7 @@ def compare(
 
 
 def table(rows: list[dict[str, Any]], mode: str = "proxy") -> str:
-    """The results of ``mode`` (``proxy``, ``python`` or ``baseline``) as a Markdown table."""
+    """The results of ``mode`` (``proxy`` or ``baseline``) as a Markdown table."""
     pre = "" if mode == "proxy" else f"{mode}_"
     head = (
         "| load | direct req/s | proxy req/s | direct p50 / p99 (ms) | proxy p50 / p99 (ms) "
@@ -309,6 +262,32 @@ def table(rows: list[dict[str, Any]], mode: str = "proxy") -> str:
         f"| {r[f'{mode}_cpu_us_per_request']:.0f} | {r['direct_errors'] + r[f'{mode}_errors']} |"
         for r in rows
     ]
+    return head + "\n".join(lines)
+
+
+def side_by_side(rows: list[dict[str, Any]]) -> str:
+    """This proxy against the baseline's, row by row: throughput, p50 and p99 latency (and
+    their ratios, this over the baseline), added latency and CPU per request."""
+    head = (
+        "| load | direct req/s | proxy / baseline req/s | proxy / baseline p50 (ms) | ratio "
+        "| proxy / baseline p99 (ms) | ratio | added p50: proxy / baseline (ms) "
+        "| CPU / req: proxy / baseline (µs) | errors |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for r in rows:
+        errors = r["direct_errors"] + r["proxy_errors"] + r["baseline_errors"]
+        lines.append(
+            f"| {r['load']} | {r['direct_rps']:.0f} "
+            f"| {r['proxy_rps']:.0f} / {r['baseline_rps']:.0f} "
+            f"| {r['proxy_p50_ms']:.2f} / {r['baseline_p50_ms']:.2f} "
+            f"| {r['proxy_p50_ms'] / r['baseline_p50_ms']:.3f} "
+            f"| {r['proxy_p99_ms']:.2f} / {r['baseline_p99_ms']:.2f} "
+            f"| {r['proxy_p99_ms'] / r['baseline_p99_ms']:.3f} "
+            f"| {r['added_p50_ms']:+.2f} / {r['baseline_added_p50_ms']:+.2f} "
+            f"| {r['proxy_cpu_us_per_request']:.0f} / {r['baseline_cpu_us_per_request']:.0f} "
+            f"| {errors} |"
+        )
     return head + "\n".join(lines)
 
 
@@ -383,22 +362,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per mode")
     parser.add_argument("--allow-debug", action="store_true", help="measure a debug build too")
     parser.add_argument(
-        "--client",
-        choices=sorted(CLIENTS),
-        default="aiohttp",
-        help="the clients' HTTP library: aiohttp, or kvroute's own lighter client (raw)",
-    )
-    parser.add_argument(
         "--baseline",
         help="the python/ directory of another kvroute checkout: its proxy is measured in the "
         "same run, in phases of its own",
     )
-    parser.add_argument(
-        "--python-path",
-        action="store_true",
-        help="also measure the proxy on its asyncio data path (--data-path python), in the "
-        "same run, in phases of its own",
-    )
+    parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -414,17 +382,13 @@ def main() -> None:
         f"CPU per request, one loop: direct {cpu['direct']:.0f} µs, bare aiohttp relay "
         f"+{relay:.0f} µs, kvroute proxy +{ours:.0f} µs\n"
     )
-    rows = compare(
-        seconds=args.seconds,
-        baseline=args.baseline,
-        client=args.client,
-        python_path=args.python_path,
-    )
+    rows = compare(seconds=args.seconds, baseline=args.baseline)
     print(table(rows))
-    if args.python_path:
-        print("\npython data path:\n\n" + table(rows, "python"))
     if args.baseline:
         print(f"\nbaseline ({args.baseline}):\n\n" + table(rows, "baseline"))
+        print("\nside by side:\n\n" + side_by_side(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -40,19 +40,6 @@ def default_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
-def data_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The proxy's data path: modules that use this fixture run against both (proxies built
-    without an explicit ``data_path`` get this one)."""
-    from kvroute.proxy import config
-
-    if request.param == "native" and not config.native_available():
-        pytest.skip("this build has no native data path")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(config, "default_data_path", lambda: request.param)
-        yield request.param
-
-
 @pytest.fixture(scope="session")
 def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Two real vLLM engines on CPU (``tests/realvllm.py``), for the ``vllm``-marked tests:

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from email.message import Message
 from typing import Any
 
 import pyarrow as pa
@@ -32,18 +33,19 @@ def http(
     body: bytes | dict[str, Any] | list[Any] | None = None,
     headers: dict[str, str] | None = None,
     timeout: float = 30.0,
-) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP call; status, headers and body (errors are answers, not exceptions)."""
+) -> tuple[int, Message, bytes]:
+    """One HTTP call; status, headers (names case-insensitive) and body (errors are answers,
+    not exceptions)."""
     data = json.dumps(body).encode() if isinstance(body, dict | list) else body
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     if data is not None and not req.has_header("Content-type"):
         req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, dict(resp.headers), resp.read()
+            return resp.status, resp.headers, resp.read()
     except urllib.error.HTTPError as exc:
         with exc:
-            return exc.code, dict(exc.headers), exc.read()
+            return exc.code, exc.headers, exc.read()
 
 
 def sse_events(raw: bytes) -> list[Any]:

@@ -10,12 +10,8 @@ from collections import Counter
 
 import aiohttp
 import openai
-import pytest
 
 from livekit import MODEL, Stack, http, spawn, stop
-
-#: Every test here runs against both data paths (``conftest.data_path``).
-pytestmark = pytest.mark.usefixtures("data_path")
 
 LOAD_SECONDS = 6.0
 CLIENTS = 256
@@ -154,7 +150,7 @@ def test_256_concurrent_streams() -> None:
         s.assert_counters_zero()
 
 
-def test_the_commands_in_subprocesses(data_path: str) -> None:
+def test_the_commands_in_subprocesses() -> None:
     procs = []
     try:
         engines = []
@@ -163,7 +159,6 @@ def test_the_commands_in_subprocesses(data_path: str) -> None:
             procs.append(proc)
             engines.append(url)
         args = ["--policy", "leastwork", "--admin-token", "tok", "--no-uvloop"]
-        args += ["--data-path", data_path]
         for url in engines:
             args += ["--backend", url]
         proc, purl = spawn("proxy", *args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,9 +30,6 @@ from kvroute.proxy.prompts import (
     wants_stream,
 )
 from livekit import MODEL, Stack, http, sse_events, wait_until
-
-#: Every test here runs against both data paths (``conftest.data_path``).
-pytestmark = pytest.mark.usefixtures("data_path")
 
 # -- keys and prompts -----------------------------------------------------------------------
 
@@ -117,11 +114,11 @@ def test_config_checks() -> None:
     with pytest.raises(InvalidArgumentError, match="twice"):
         ProxyConfig(backends=["127.0.0.1:1", "http://127.0.0.1:1/"])
     assert ProxyConfig(backends=["127.0.0.1:9"]).backends == ["http://127.0.0.1:9"]
-    with pytest.raises(InvalidArgumentError, match="data_path"):
-        ProxyConfig(data_path="rust")
     with pytest.raises(InvalidArgumentError, match="TLS"):
-        ProxyConfig(backends=["https://example.com"], data_path="native")
-    assert ProxyConfig(backends=["https://example.com"], data_path="python").data_path == "python"
+        ProxyConfig(backends=["https://example.com"])
+    for name in ("max_connections", "header_read_timeout_s"):
+        with pytest.raises(InvalidArgumentError, match=name):
+            ProxyConfig(**{name: 0})
 
 
 # -- against a recording backend ------------------------------------------------------------
@@ -132,7 +129,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
-        self.headers: list[dict[str, str]] = []
+        self.headers: list[Mapping[str, str]] = []  # names case-insensitive
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -169,7 +166,7 @@ class Recorder:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.bodies.append(raw)
-        self.headers.append(dict(request.headers))
+        self.headers.append(request.headers.copy())
         if not json.loads(raw).get("stream"):
             return web.json_response({"choices": [], "usage": {"prompt_tokens": 3}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Extra": "1"})
@@ -182,7 +179,7 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def recorded(data_path: str) -> Iterator[tuple[ServerThread, str, Recorder, Any]]:
+def recorded() -> Iterator[tuple[ServerThread, str, Recorder, Any]]:
     with ServerThread() as st:
         rec = Recorder()
         backend = st.start(rec.app())
@@ -424,10 +421,10 @@ def test_admin_api() -> None:
             )
             assert headers["X-Kvroute-Instance"] == "1"
         assert http("DELETE", s.url + "/admin/backends/7", headers=auth)[0] == 404
-        if s.proxy.config.data_path == "native":  # the relay speaks plain HTTP to its backends
-            tls = http("POST", s.url + "/admin/backends", {"url": "https://127.0.0.1:9"}, auth)
-            assert tls[0] == 400 and b"TLS" in tls[2]
-            assert s.proxy.router.num_instances == 2
+        # The relay speaks plain HTTP to its backends.
+        tls = http("POST", s.url + "/admin/backends", {"url": "https://127.0.0.1:9"}, auth)
+        assert tls[0] == 400 and b"TLS" in tls[2]
+        assert s.proxy.router.num_instances == 2
         # Re-adding a removed URL brings its index back.
         status, _, raw = http("POST", s.url + "/admin/backends", {"url": s.engine_urls[0]}, auth)
         assert status == 201 and json.loads(raw)["index"] == 0

@@ -1,9 +1,11 @@
 """The proxy's HTTP/1.1 on the wire: keep-alive, pipelining, request framings, refusals,
-HTTP/1.0 clients, slow readers, and backends that close kept-alive connections."""
+HTTP/1.0 clients, slow readers and slow clients, the connection cap, and backends that
+close kept-alive connections. Requests go out as raw bytes; answers are read with h11."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import socket
@@ -13,16 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import h11
 import pytest
 from aiohttp import web
 
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
-from kvroute.proxy.front import FrontConnection
-from kvroute.proxy.http1 import ResponseHead, body_reader, parse_response_head
 from livekit import http, wait_until
-
-#: Every test here runs against both data paths (``conftest.data_path``).
-pytestmark = pytest.mark.usefixtures("data_path")
 
 
 class Backend:
@@ -67,7 +65,7 @@ LOOPS = ["asyncio", *(["uvloop"] if importlib.util.find_spec("uvloop") else [])]
 
 
 @pytest.fixture(scope="module", params=LOOPS)
-def proxied(request: pytest.FixtureRequest, data_path: str) -> Iterator[tuple[str, Backend, Proxy]]:
+def proxied(request: pytest.FixtureRequest) -> Iterator[tuple[str, Backend, Proxy]]:
     """A proxy in front of a :class:`Backend`, on asyncio's event loop and on uvloop's (the
     command line's), whose transports differ."""
     with ServerThread(use_uvloop=request.param == "uvloop") as st:
@@ -87,33 +85,50 @@ def post(body: dict[str, Any] | bytes, *headers: str, version: str = "1.1") -> b
     return ("\r\n".join([*head, *headers]) + "\r\n\r\n").encode() + data
 
 
+class Head:
+    """An answer's status and headers."""
+
+    def __init__(self, event: h11.Response | h11.InformationalResponse) -> None:
+        self.status = event.status_code
+        self.headers = [(k.decode(), v.decode("latin-1")) for k, v in event.headers]
+
+    def get(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k == name.lower()), None)
+
+
 class Reader:
-    """Responses off a socket, one after another."""
+    """Answers off a socket, one after another, parsed by h11 (each read as the answer to a
+    request of ``method``: the requests themselves went out raw)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buf = sock, b""
+        self.sock = sock
+        self.conn = h11.Connection(h11.CLIENT)
+        self.interim = False  # an interim answer came: the final one is still due
 
-    def _more(self) -> bytes:
-        got = self.sock.recv(65536)
-        if not got:
-            raise EOFError
-        return got
-
-    def response(self) -> tuple[ResponseHead, bytes]:
-        while b"\r\n\r\n" not in self.buf:
-            self.buf += self._more()
-        raw, self.buf = self.buf.split(b"\r\n\r\n", 1)
-        head = parse_response_head(raw)
-        reader = body_reader(head)
-        body, self.buf = reader.feed(self.buf)
-        while not reader.done:
-            try:
-                got, self.buf = reader.feed(self._more())
-            except EOFError:
-                reader.eof()
-                break
-            body += got
-        return head, b"".join(body)
+    def response(self, method: str = "POST") -> tuple[Head, bytes]:
+        c = self.conn
+        if not self.interim:
+            if c.our_state is h11.DONE and c.their_state is h11.DONE:
+                c.start_next_cycle()
+            c.send(h11.Request(method=method, target="/", headers=[("Host", "x")]))
+            c.send(h11.EndOfMessage())
+        head, body = None, b""
+        while True:
+            event = c.next_event()
+            if event is h11.NEED_DATA:
+                c.receive_data(self.sock.recv(65536))
+            elif isinstance(event, h11.InformationalResponse):
+                self.interim = True
+                return Head(event), b""
+            elif isinstance(event, h11.Response):
+                self.interim, head = False, Head(event)
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                return head, body
+            else:
+                raise EOFError(f"the connection ended before an answer: {event!r}")
 
     def closed(self) -> bool:
         try:
@@ -166,58 +181,55 @@ def test_http10_client_gets_a_close_delimited_stream(proxied: tuple[str, Backend
         assert body.count(b"data: ") == 4 and r.closed()
 
 
-@pytest.mark.parametrize(
-    ("raw", "status"),
-    [
-        (b"NOT HTTP\r\n\r\n", 400),
-        (b"GET / HTTP/2.0\r\n\r\n", 505),
-        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
-        (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
-        (b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
-        (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 200000\r\n\r\n", 413),
-        (
-            b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + (b"8000\r\n" + b"1" * 0x8000 + b"\r\n") * 4,
-            413,
-        ),
-    ],
-)
+#: Requests hyper refuses before the relay sees them (a bare status, no body; ``ours`` 0), and
+#: those the relay refuses itself (with an OpenAI-style JSON error; ``ours`` 1).
+UNREADABLE = [
+    (b"NOT HTTP\r\n\r\n", 400, 0),
+    (b"GET / HTTP/2.0\r\n\r\n", 400, 0),  # a version hyper does not parse
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, 0),
+    (b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431, 0),
+    # RFC 9110 section 5.5: a bare CR, a NUL or a lone LF inside a header value
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n\r\n", 400, 0),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400, 0),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\nb\r\n\r\n", 400, 0),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, 1),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 200000\r\n\r\n", 413, 1),
+    (
+        b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + (b"8000\r\n" + b"1" * 0x8000 + b"\r\n") * 4,
+        413,
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "status", "ours"), UNREADABLE)
 def test_unreadable_requests_are_refused_and_closed(
-    proxied: tuple[str, Backend, Proxy], raw: bytes, status: int
+    proxied: tuple[str, Backend, Proxy], raw: bytes, status: int, ours: int
 ) -> None:
     url, _, proxy = proxied
     with connect(url) as sock:
         sock.sendall(raw)
         r = Reader(sock)
         head, body = r.response()
-        assert head.status == status and json.loads(body)["error"]["code"] == status
+        assert head.status == status
+        if ours:
+            assert json.loads(body)["error"]["code"] == status
         assert r.closed()
     wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
 
 
-def test_a_slow_reader_gets_every_byte(
-    proxied: tuple[str, Backend, Proxy], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_slow_reader_gets_every_byte(proxied: tuple[str, Backend, Proxy]) -> None:
     url, _, proxy = proxied
-    pauses = []
-    pause = FrontConnection.pause_writing
-
-    def counted(self: FrontConnection) -> None:
-        pauses.append(self.flow is not None)
-        pause(self)
-
-    monkeypatch.setattr(FrontConnection, "pause_writing", counted)
     with connect(url) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(post({"prompt": [1], "stream": True, "n": 300, "size": 20000}))
-        # the native path blocks in its write to this client and reads nothing upstream meanwhile
+        # the relay waits on its write to this client and reads nothing upstream meanwhile
         time.sleep(0.3)  # the proxy's buffer to this client fills up meanwhile
         head, body = Reader(sock).response()
     events = [e for e in body.split(b"\n\n") if e]
     assert head.status == 200 and len(events) == 301
     assert all(e == b"data: " + str(i % 10).encode() * 20000 for i, e in enumerate(events[:-1]))
-    if proxy.config.data_path == "python":
-        assert any(pauses)  # the upstream was paused while the client lagged
     wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
 
 
@@ -291,12 +303,9 @@ def test_head_requests_to_the_side_endpoints(proxied: tuple[str, Backend, Proxy]
             b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n"
         )
         r = Reader(sock)
-        while b"\r\n\r\n" not in r.buf:
-            r.buf += r._more()
-        raw, r.buf = r.buf.split(b"\r\n\r\n", 1)
-        head = parse_response_head(raw)  # an answer to HEAD: its length, no body
-        assert head.status == 200 and int(head.get("content-length") or 0) > 0
-        head, body = r.response()
+        head, body = r.response("HEAD")  # an answer to HEAD: its length, no body
+        assert head.status == 200 and int(head.get("content-length") or 0) > 0 and not body
+        head, body = r.response("GET")
         assert head.status == 200 and json.loads(body)["backends_up"] == 1
 
 
@@ -312,20 +321,6 @@ def test_a_port_in_use_is_a_clear_error(command: list[str]) -> None:
         port = busy.getsockname()[1]
         result = CliRunner().invoke(main, [*command, "--port", str(port)])
     assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output
-
-
-def test_side_endpoints_without_unix_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where asyncio has no Unix sockets, the side application listens on a loopback port."""
-    import sys
-
-    monkeypatch.setattr(sys, "platform", "win32")
-    with ServerThread() as st:
-        backend = Backend()
-        proxy = Proxy(ProxyConfig(backends=[st.start(backend.app())]))
-        url = st.start(proxy)
-        assert proxy._side_address[0] == "http"
-        status, _, raw = http("GET", url + "/health")
-        assert status == 200 and json.loads(raw)["backends_up"] == 1
 
 
 def test_closing_lets_streams_finish_for_the_grace_period() -> None:
@@ -352,3 +347,65 @@ def test_closing_lets_streams_finish_for_the_grace_period() -> None:
         wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
         with pytest.raises(OSError):
             connect(url).close()
+
+
+def test_slow_clients_are_cut_at_the_header_deadline_and_others_are_served() -> None:
+    """Clients that drip their request head a byte at a time (or send nothing) hold a
+    connection for at most the header-read deadline (0.5 s here), and a client beside them
+    is served at once, again and again."""
+    with ServerThread() as st:
+        backend = Backend()
+        config = ProxyConfig(backends=[st.start(backend.app())], header_read_timeout_s=0.5)
+        proxy = Proxy(config)
+        url = st.start(proxy)
+        slow = [connect(url) for _ in range(8)]
+        try:
+            t0 = time.monotonic()
+            head = post({"prompt": [1]})
+            for i, sock in enumerate(slow[:4]):
+                sock.sendall(head[: i + 1])
+            for _ in range(6):  # the others drip on; a fast client meanwhile
+                time.sleep(0.1)
+                for i, sock in enumerate(slow[:4]):
+                    with contextlib.suppress(OSError):
+                        sock.send(head[i + 1 : i + 2])
+                status, _, _ = http("POST", url + "/v1/completions", {"prompt": [2]}, timeout=2)
+                assert status == 200
+            for sock in slow:
+                sock.settimeout(3)
+                assert Reader(sock).closed()
+            assert time.monotonic() - t0 < 3
+        finally:
+            for sock in slow:
+                sock.close()
+        wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+
+
+def test_connections_beyond_the_cap_get_503() -> None:
+    """With ``max_connections=4`` and four connections open, a fifth gets a 503 with an
+    OpenAI-style error and is closed; once one of the four closes, a new one is served."""
+    with ServerThread() as st:
+        backend = Backend()
+        config = ProxyConfig(backends=[st.start(backend.app())], max_connections=4)
+        proxy = Proxy(config)
+        url = st.start(proxy)
+        held = [connect(url) for _ in range(4)]
+        try:
+            for sock in held:  # each is served (kept alive)
+                sock.sendall(post({"prompt": [1]}))
+                assert Reader(sock).response()[0].status == 200
+            with connect(url) as extra:
+                extra.sendall(post({"prompt": [2]}))
+                r = Reader(extra)
+                head, body = r.response()
+                assert head.status == 503 and json.loads(body)["error"]["code"] == 503
+                assert b"limit" in body and r.closed()
+            held.pop().close()
+
+            def served() -> bool:
+                return http("POST", url + "/v1/completions", {"prompt": [3]}, timeout=2)[0] == 200
+
+            wait_until(served, what="a connection to be served once one closed")
+        finally:
+            for sock in held:
+                sock.close()

@@ -148,11 +148,10 @@ def test_sessions_stick_under_sticky(engines: Engines) -> None:
         assert set().union(*seen.values()) == {"0", "1"}  # new sessions spread by load
 
 
-@pytest.mark.parametrize("data_path", ["native", "python"])
-def test_streamed_usage_is_counted_exactly(engines: Engines, data_path: str) -> None:
+def test_streamed_usage_is_counted_exactly(engines: Engines) -> None:
     """The ``openai`` client closes at ``data: [DONE]``, before vLLM's last chunk: every
     stream still counts as complete, with its usage."""
-    with RealStack(engines, policy="round_robin", data_path=data_path) as s:
+    with RealStack(engines, policy="round_robin") as s:
         seen = 0
         for i in range(30):
             chunks = s.client.chat.completions.create(

@@ -161,7 +161,8 @@ class Relay:
         session_header: str,
         session_field: str | None = None,
         decision_log: str | os.PathLike[str] | None = None,
-        idle_timeout_s: float = 75.0,
+        header_read_timeout_s: float = 30.0,
+        max_connections: int = 8192,
         upstream_idle_timeout_s: float = 30.0,
     ) -> Relay: ...
     def set_backend(

@@ -92,11 +92,18 @@ def _ready(what: str) -> Any:
     help="Append one JSON line per routing decision to this file.",
 )
 @click.option(
-    "--data-path",
-    type=click.Choice(["native", "python"]),
-    default=None,
-    help="What serves the port: the compiled relay (native; the default on Unix) or asyncio "
-    "(python; needed for https:// backends).",
+    "--header-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a client has to send a whole request head (also closes idle connections).",
+)
+@click.option(
+    "--max-connections",
+    default=8192,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Client connections served at once; one beyond gets a 503.",
 )
 @click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
 def proxy(**kw: Any) -> None:
@@ -122,12 +129,13 @@ def proxy(**kw: Any) -> None:
             healthy_after=kw["healthy_after"],
             admin_token=kw["admin_token"] or None,
             decision_log=kw["decision_log"],
-            data_path=kw["data_path"],
+            header_read_timeout_s=kw["header_timeout"],
+            max_connections=kw["max_connections"],
         )
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
-    _serve(app, kw, f"proxy ({config.data_path} data path)")
+    _serve(app, kw, "proxy")
 
 
 def _serve(app: Any, kw: dict[str, Any], what: str) -> None:

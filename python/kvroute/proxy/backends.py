@@ -26,9 +26,34 @@ import aiohttp
 import kvroute
 from kvroute.errors import InvalidArgumentError, UnknownInstanceError
 from kvroute.proxy.config import ProxyConfig, normalize_url
-from kvroute.proxy.upstream import Address, address_of, without_credentials
 
 log = logging.getLogger("kvroute.proxy")
+
+#: ``(scheme, host, port)``; scheme ``unix`` has the socket's path as host and port 0.
+Address = tuple[str, str, int]
+
+
+def address_of(url: str) -> tuple[Address, str]:
+    """The address of an ``http://host:port[/prefix]`` URL and its path prefix; an
+    :class:`InvalidArgumentError` for anything else (no host, a port that is not a number
+    in 1-65535, an unclosed IPv6 bracket, ...)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidArgumentError(f"backend URL {url!r} does not parse: {exc}") from exc
+    if parts.scheme != "http" or not parts.hostname or port == 0:
+        raise InvalidArgumentError(f"backend URL must be http://host:port, got {url!r}")
+    port = port or 80
+    return (parts.scheme, parts.hostname, port), parts.path.rstrip("/")
+
+
+def without_credentials(url: str) -> str:
+    """``url`` without a ``user:password@`` part (for labels, logs and headers)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
 @dataclass
@@ -64,8 +89,8 @@ class BackendPool:
         self.config = config
         self.router = router
         self.backends: list[Backend] = []
-        #: The compiled data path (``kvroute._core.Relay``), once it serves: told where each
-        #: backend is and whether it has failures to clear.
+        #: The data path (``kvroute._core.Relay``), once it serves: told where each backend
+        #: is and whether it has failures to clear.
         self.relay: Any = None
         for url in config.backends:
             self.add(url)
@@ -101,8 +126,6 @@ class BackendPool:
     def add(self, url: str) -> Backend:
         """Add a backend (or bring a removed one back); it starts up."""
         url = normalize_url(url)
-        if self.relay is not None and url.startswith("https://"):
-            raise InvalidArgumentError(f"the native data path does not speak TLS ({url})")
         for b in self.backends:
             if b.url == url:
                 if not b.removed:

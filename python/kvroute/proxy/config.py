@@ -9,22 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvroute
-from kvroute import _core
 from kvroute.errors import InvalidArgumentError
-
-#: The data paths: ``native`` (the compiled relay, ``kvroute._core.Relay``; Unix only, plain
-#: ``http://`` backends) and ``python`` (asyncio; any platform, ``https://`` backends too).
-DATA_PATHS = ("native", "python")
-
-
-def native_available() -> bool:
-    """Whether this build has the compiled data path (Unix builds)."""
-    return hasattr(_core, "Relay")
-
-
-def default_data_path() -> str:
-    """``native`` where the build has it, else ``python``."""
-    return "native" if native_available() else "python"
 
 
 def normalize_url(url: str) -> str:
@@ -33,8 +18,12 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     url = url.rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise InvalidArgumentError(f"backend URL must be http(s)://host:port, got {url!r}")
+    if url.startswith("https://"):
+        raise InvalidArgumentError(
+            f"the proxy speaks plain HTTP to its backends, not TLS ({url}); use http://"
+        )
+    if not url.startswith("http://"):
+        raise InvalidArgumentError(f"backend URL must be http://host:port, got {url!r}")
     return url
 
 
@@ -69,35 +58,26 @@ class ProxyConfig:
     #: Bearer token of the admin API; None turns the admin API off.
     admin_token: str | None = None
     decision_log: str | None = None
-    #: Which data path serves the port (see :data:`DATA_PATHS`); None: :func:`default_data_path`.
-    data_path: str | None = None
+    #: Longest wait for a request head to be complete (also closes a kept-alive connection
+    #: that idles that long), in seconds.
+    header_read_timeout_s: float = 30.0
+    #: Client connections served at once; one beyond gets a 503 and is closed.
+    max_connections: int = 8192
 
     def __post_init__(self) -> None:
         self.backends = [normalize_url(u) for u in self.backends]
-        if self.data_path is None:
-            self.data_path = default_data_path()
-        if self.data_path not in DATA_PATHS:
-            raise InvalidArgumentError(
-                f"data_path must be one of {', '.join(DATA_PATHS)}, got {self.data_path!r}"
-            )
-        if self.data_path == "native":
-            if not native_available():
-                raise InvalidArgumentError("the native data path needs a Unix build; use python")
-            for url in self.backends:
-                if url.startswith("https://"):
-                    raise InvalidArgumentError(
-                        f"the native data path does not speak TLS ({url}); use data_path python"
-                    )
         if len(set(self.backends)) != len(self.backends):
             raise InvalidArgumentError("the same backend URL is given twice")
         if self.policy not in kvroute.policies():
             raise InvalidArgumentError(
                 f"unknown policy {self.policy!r}; known: {', '.join(kvroute.policies())}"
             )
-        for name in ("max_body_bytes", "max_concurrency", "unhealthy_after", "healthy_after"):
+        names = ("max_body_bytes", "max_concurrency", "max_connections")
+        for name in (*names, "unhealthy_after", "healthy_after"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1")
-        for name in ("request_timeout_s", "connect_timeout_s", "health_interval_s"):
+        timeouts = ("request_timeout_s", "connect_timeout_s", "header_read_timeout_s")
+        for name in (*timeouts, "health_interval_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be positive")
         if self.retries < 0:

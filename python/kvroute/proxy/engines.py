@@ -28,7 +28,6 @@ from multidict import CIMultiDict
 import kvroute
 from kvroute.proxy.admin import json_error
 from kvroute.proxy.backends import Backend, BackendPool
-from kvroute.proxy.handler import DROP, HOP
 
 #: Time limit of these calls to a backend.
 AUX_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
@@ -37,6 +36,26 @@ TO_ANY = {"GET": ("/v1/models", "/version"), "POST": ("/tokenize", "/detokenize"
 #: Paths of one backend relayed under ``/backends/{index}``.
 TO_ONE = ("health", "metrics")
 _ERRORS = (TimeoutError, aiohttp.ClientError, OSError)
+
+#: Request headers not forwarded (hop-by-hop, framing, and compression: answers come plain).
+HOP = frozenset(
+    (
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+        "accept-encoding",
+    )
+)
+#: Answer headers not relayed (hop-by-hop and framing: the proxy frames its own answers).
+DROP = frozenset(("connection", "keep-alive", "transfer-encoding", "content-length"))
 
 
 class EngineEndpoints:

@@ -1,6 +1,6 @@
-"""What the proxy tells about itself: Prometheus metrics and the JSONL decision log.
+"""What the proxy tells about itself: its Prometheus metrics.
 
-Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL):
+Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL without credentials):
 
 * ``decisions_total{backend,policy,branch}``: routing decisions and the policy branch taken;
 * ``estimated_hit_tokens_total`` / ``reported_cached_tokens_total`` / ``prompt_tokens_total``
@@ -15,22 +15,23 @@ Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL):
   ``client_disconnect``, ``bad_request``, ``no_backend``), ``retries_total{backend}``;
 * ``routing_seconds``: keying plus the routing decision.
 
-The decision log writes one JSON object per decision (request, session, instance, backend,
-branch, estimated hit, new prefill, and per instance the score terms: hit, new prefill,
-pending prefill, requests, ``lmetric`` score); lines are buffered and flushed every second.
-
-O(1) per observation (labelled children are cached per backend); loop-affine.
+The counters are the relay's (``kvroute._core.Relay.stats``), read at scrape time by
+:class:`RelayCollector`; the gauges are the router's. O(backends) per scrape; the collectors
+are read on the event loop's thread.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 import kvroute
@@ -71,146 +72,87 @@ class _RouterCollector(Collector):
         yield from fams.values()
 
 
-class BackendMetrics:
-    """The labelled children of one backend."""
-
-    def __init__(self, m: ProxyMetrics, url: str) -> None:
-        self._m, self.url = m, url
-        self._decisions: dict[str, Any] = {}
-        self.estimated = m.estimated.labels(url)
-        self.reported = m.reported.labels(url)
-        self.prompt = m.prompt.labels(url)
-        self.ttft = m.ttft.labels(url)
-        self.e2e = m.e2e.labels(url)
-        self.retries = m.retries.labels(url)
-
-    def decision(self, branch: str) -> None:
-        child = self._decisions.get(branch)
-        if child is None:
-            child = self._decisions[branch] = self._m.decisions.labels(
-                self.url, self._m.policy, branch
-            )
-        child.inc()
-
-    def error(self, kind: str) -> None:
-        self._m.errors.labels(self.url, kind).inc()
+def _buckets(bounds: Iterable[float], counts: list[int]) -> list[tuple[str, float]]:
+    out, total = [], 0
+    for bound, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+        total += n
+        out.append((bound, float(total)))
+    return out
 
 
-class ProxyMetrics:
-    """The proxy's registry (see the module doc)."""
+class RelayCollector(Collector):
+    """The relay's counters as metrics (see the module doc)."""
 
     def __init__(
-        self,
-        policy: str,
-        router: kvroute.Router,
-        urls: Callable[[], list[str]],
-        python_path: bool = True,
+        self, policy: str, stats: Callable[[], dict[str, Any] | None], urls: Callable[[], list[str]]
     ) -> None:
-        """``python_path``: the counters below are the registry's (the native data path
-        registers a collector of its own counters under the same names instead)."""
-        self.policy = policy
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_RouterCollector(router, urls))
-        reg = self.registry if python_path else None
+        self._policy, self._stats, self._urls = policy, stats, urls
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
         b = ["backend"]
-        self.decisions = Counter(
-            "kvroute_proxy_decisions",
-            "Routing decisions.",
-            ["backend", "policy", "branch"],
-            registry=reg,
+        decisions = CounterMetricFamily(
+            "kvroute_proxy_decisions", "Routing decisions.", labels=["backend", "policy", "branch"]
         )
-        self.estimated = Counter(
-            "kvroute_proxy_estimated_hit_tokens", "Router-estimated cached tokens.", b, registry=reg
+        estimated = CounterMetricFamily(
+            "kvroute_proxy_estimated_hit_tokens", "Router-estimated cached tokens.", labels=b
         )
-        self.reported = Counter(
-            "kvroute_proxy_reported_cached_tokens",
-            "Engine-reported cached tokens.",
-            b,
-            registry=reg,
+        reported = CounterMetricFamily(
+            "kvroute_proxy_reported_cached_tokens", "Engine-reported cached tokens.", labels=b
         )
-        self.prompt = Counter(
-            "kvroute_proxy_prompt_tokens", "Engine-reported prompt tokens.", b, registry=reg
+        prompt = CounterMetricFamily(
+            "kvroute_proxy_prompt_tokens", "Engine-reported prompt tokens.", labels=b
         )
-        self.ttft = Histogram(
-            "kvroute_proxy_ttft_seconds",
-            "Time to first streamed byte.",
-            b,
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
+        ttft = HistogramMetricFamily(
+            "kvroute_proxy_ttft_seconds", "Time to first streamed byte.", labels=b
         )
-        self.e2e = Histogram(
-            "kvroute_proxy_e2e_seconds",
-            "Request received to response end.",
-            b,
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
+        e2e = HistogramMetricFamily(
+            "kvroute_proxy_e2e_seconds", "Request received to response end.", labels=b
         )
-        self.errors = Counter(
-            "kvroute_proxy_errors",
-            "Failed requests and attempts.",
-            ["backend", "kind"],
-            registry=reg,
+        errors = CounterMetricFamily(
+            "kvroute_proxy_errors", "Failed requests and attempts.", labels=["backend", "kind"]
         )
-        self.retries = Counter(
-            "kvroute_proxy_retries", "Attempts retried on another backend.", b, registry=reg
+        retries = CounterMetricFamily(
+            "kvroute_proxy_retries", "Attempts retried on another backend.", labels=b
         )
-        self.routing = Histogram(
-            "kvroute_proxy_routing_seconds",
-            "Keying plus routing decision.",
-            buckets=ROUTING_BUCKETS,
-            registry=reg,
+        routing = HistogramMetricFamily(
+            "kvroute_proxy_routing_seconds", "Keying plus routing decision."
         )
-        self._backends: dict[str, BackendMetrics] = {}
-
-    def backend(self, url: str) -> BackendMetrics:
-        got = self._backends.get(url)
-        if got is None:
-            got = self._backends[url] = BackendMetrics(self, url)
-        return got
-
-    def error(self, kind: str) -> None:
-        """An error before any backend was chosen."""
-        self.errors.labels("", kind).inc()
+        if stats is not None:
+            urls = self._urls()
+            for url, s in zip(urls, stats["backends"], strict=False):
+                for kind, n in s["errors"].items():
+                    if n:
+                        errors.add_metric([url, kind], n)
+                if not any(s["decisions"].values()):
+                    continue
+                for branch, n in s["decisions"].items():
+                    if n:
+                        decisions.add_metric([url, self._policy, branch], n)
+                estimated.add_metric([url], s["estimated"])
+                reported.add_metric([url], s["reported"])
+                prompt.add_metric([url], s["prompt"])
+                retries.add_metric([url], s["retries"])
+                for fam, key in ((ttft, "ttft"), (e2e, "e2e")):
+                    counts, total = s[key]
+                    fam.add_metric([url], _buckets(LATENCY_BUCKETS, counts), total)
+            for kind, n in stats["errors"].items():
+                if n:
+                    errors.add_metric(["", kind], n)
+            counts, total = stats["routing"]
+            routing.add_metric([], _buckets(ROUTING_BUCKETS, counts), total)
+        yield from (decisions, estimated, reported, prompt, ttft, e2e, errors, retries, routing)
 
 
-class DecisionLog:
-    """Buffered JSONL of routing decisions."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f: IO[str] | None = self.path.open("a", encoding="utf-8", buffering=1 << 20)
-
-    @staticmethod
-    def terms(router: kvroute.Router, keys: Any, input_length: int) -> list[dict[str, Any]]:
-        """Per-instance score terms before a decision."""
-        hits = router.estimate_cache_hits(keys, input_length)
-        out = []
-        for i, (hit, st) in enumerate(zip(hits, router.state(), strict=False)):
-            new = max(0, input_length - hit)
-            pending = st["pending_prefill_tokens"]
-            out.append(
-                {
-                    "instance": i,
-                    "available": st["available"],
-                    "hit_tokens": hit,
-                    "new_prefill": new,
-                    "pending_prefill_tokens": pending,
-                    "num_requests": st["num_requests"],
-                    "lmetric_score": (pending + new) * st["num_requests"],
-                }
-            )
-        return out
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-
-    def flush(self) -> None:
-        if self._f is not None:
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+def proxy_registry(
+    policy: str,
+    router: kvroute.Router,
+    urls: Callable[[], list[str]],
+    stats: Callable[[], dict[str, Any] | None],
+) -> CollectorRegistry:
+    """The proxy's registry: the router's gauges and the relay's counters (``stats``: the
+    relay's, None before it starts)."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_RouterCollector(router, urls))
+    registry.register(RelayCollector(policy, stats, urls))
+    return registry

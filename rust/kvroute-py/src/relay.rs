@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvroute_core::relay::io::Address;
+use kvroute_core::relay::connect::Address;
 use kvroute_core::relay::stats::{ErrorKind, Stats};
 use kvroute_core::relay::stats::{Histogram, BRANCHES};
 use kvroute_core::relay::{Backend, Backends, Hooks, Keyed, Refusal, Relay, RelayConfig};
@@ -195,8 +195,8 @@ fn errors<'py>(py: Python<'py>, counts: &[std::sync::atomic::AtomicU64]) -> PyRe
 impl PyRelay {
     #[new]
     #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
-        max_concurrency, retries, session_header, session_field = None, decision_log = None, idle_timeout_s = 75.0,
-        upstream_idle_timeout_s = 30.0))]
+        max_concurrency, retries, session_header, session_field = None, decision_log = None, header_read_timeout_s = 30.0,
+        max_connections = 8192, upstream_idle_timeout_s = 30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -212,21 +212,26 @@ impl PyRelay {
         session_header: &str,
         session_field: Option<String>,
         decision_log: Option<PathBuf>,
-        idle_timeout_s: f64,
+        header_read_timeout_s: f64,
+        max_connections: usize,
         upstream_idle_timeout_s: f64,
     ) -> PyResult<Self> {
         if listen_fd < 0 {
             return Err(invalid(py, format!("listen_fd must be a file descriptor, got {listen_fd}")));
         }
-        if max_concurrency == 0 || max_body == 0 {
-            return Err(invalid(py, "max_body and max_concurrency must be at least 1".into()));
+        if max_concurrency == 0 || max_body == 0 || max_connections == 0 {
+            return Err(invalid(
+                py,
+                "max_body, max_concurrency and max_connections must be at least 1".into(),
+            ));
         }
         let router_config = router.shared().lock().unwrap_or_else(|e| e.into_inner()).config().clone();
         let config = RelayConfig {
             max_body,
             request_timeout: seconds(py, request_timeout_s, "request_timeout_s")?,
             connect_timeout: seconds(py, connect_timeout_s, "connect_timeout_s")?,
-            idle_timeout: seconds(py, idle_timeout_s, "idle_timeout_s")?,
+            header_read_timeout: seconds(py, header_read_timeout_s, "header_read_timeout_s")?,
+            max_connections,
             upstream_idle_timeout: seconds(py, upstream_idle_timeout_s, "upstream_idle_timeout_s")?,
             max_concurrency,
             retries,

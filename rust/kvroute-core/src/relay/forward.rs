@@ -1,29 +1,40 @@
-//! One generation request: key it, route it, send it, relay the answer, and close the
-//! router's lifecycle for it whatever happens (the rules of the Python forwarder,
-//! `kvroute.proxy.handler`, which the proxy's docs describe).
+//! One generation request: key it, route it, send it with hyper's pooled client, answer it,
+//! and close the router's lifecycle for it whatever happens (the rules in `docs/proxy.md`).
 //!
 //! `route` when the request is sent, `first_token` at the first streamed body bytes, `finish`
-//! when the request's guard drops (success, error, client gone, panic). An attempt that
-//! fails to connect or gets a 5xx answer before any byte reached the client is finished and
-//! retried on the next choice, the failed backends hidden from the router for that one
-//! decision; a stalled backend gives 504 without retry; a failure mid-stream ends the
-//! client's stream with an error event; a client that hangs up drops the upstream connection
-//! (vLLM then aborts the request). A kept-alive connection that turns out closed before a
-//! byte of answer is replaced once.
+//! when the request's [`Job`] drops (a whole answer sent, a stream's body dropped, the client
+//! gone: hyper drops the request's future, a panic). An attempt that fails to connect or gets
+//! a 5xx answer before any byte reached the client is finished and retried on the next
+//! choice, the failed backends hidden from the router for that one decision; a stalled backend
+//! gives 504 without retry; a failure mid-stream ends the client's stream with an error event
+//! ([`super::stream`]). A connection that closes before a byte of answer (a kept-alive one the
+//! backend was closing) is replaced once by a new one before the attempt counts as failed.
 //!
 //! Per request: one hook call for the keys (on the blocking pool when the hooks say it may
 //! take a round-trip), O(keys + instances) under the router lock per attempt, O(bytes) for
-//! the relay; one task per request.
+//! the relay; the request's future and its answer's body are polled by its connection's task.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
-use super::front::{upstream_request, without, Request, DROP, HOP};
-use super::http::Headers;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, HOST};
+use hyper::{Response, StatusCode};
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::task::JoinHandle;
+
 use super::log::{Record, Terms};
-use super::reply::{error_json, Down};
+use super::reply::{error, error_json, full, json, Out};
+use super::server::{describe, forwarded, relayed, Request};
 use super::stats::{BackendStats, ErrorKind};
-use super::upstream::{Exchange, ReadError, Watch};
-use super::usage::{usage, Tail};
+use super::stream::Relayed;
+use super::usage::usage;
 use super::{Backend, Keyed, Refusal, Shared};
 use crate::jobs::locked;
 use crate::keys::sequence_keys;
@@ -31,7 +42,7 @@ use crate::{Decision, Error, Id};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
 /// The longest answer whose output is modelled (longer ones are relayed all the same).
-const MAX_OUTPUT: usize = 16 << 20;
+pub(super) const MAX_OUTPUT: usize = 16 << 20;
 
 /// An attempt that failed before any byte reached the client.
 struct Fail {
@@ -40,159 +51,248 @@ struct Fail {
     message: String,
     retry: bool,
     /// A 5xx answer to pass on as it came, with its headers.
-    answer: Option<(Vec<u8>, Headers)>,
+    answer: Option<(Bytes, HeaderMap)>,
 }
 
 impl Fail {
-    fn new(kind: ErrorKind, status: u16, message: String, retry: bool) -> Self {
-        Self { kind, status, message, retry, answer: None }
-    }
-
-    fn of(b: usize, e: &ReadError) -> Self {
-        match e {
-            ReadError::Timeout => Fail::new(ErrorKind::Timeout, 504, format!("backend {b} timed out"), false),
-            e => Fail::new(ErrorKind::Connect, 502, format!("backend {b} failed: {e}"), true),
+    fn timeout(b: usize) -> Self {
+        Fail {
+            kind: ErrorKind::Timeout,
+            status: 504,
+            message: format!("backend {b} timed out"),
+            retry: false,
+            answer: None,
         }
     }
 
-    async fn answer(&self, down: &mut Down<'_>) {
-        if let Some((body, headers)) = &self.answer {
-            let headers: Vec<_> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-            down.send(self.status, &headers, body, None).await;
-            return;
+    fn failed(b: usize, what: &str) -> Self {
+        Fail {
+            kind: ErrorKind::Connect,
+            status: 502,
+            message: format!("backend {b} {what}"),
+            retry: true,
+            answer: None,
+        }
+    }
+
+    fn answer(self) -> Response<Out> {
+        if let Some((body, headers)) = self.answer {
+            let mut r = Response::new(full(body));
+            *r.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            *r.headers_mut() = headers;
+            return r;
         }
         let kind = if self.status == 504 { "gateway_timeout" } else { "bad_gateway" };
-        down.send_json(self.status, &error_json(&self.message, kind, self.status)).await;
+        error(self.status, &self.message, kind)
     }
 }
 
-enum Outcome {
-    Fail(Fail),
-    ClientGone,
+/// How a body could not be read off a backend.
+enum BodyFail {
+    Timeout,
+    Failed(String),
 }
 
-impl From<Fail> for Outcome {
-    fn from(f: Fail) -> Self {
-        Outcome::Fail(f)
+impl BodyFail {
+    fn fail(self, b: usize) -> Fail {
+        match self {
+            BodyFail::Timeout => Fail::timeout(b),
+            BodyFail::Failed(e) => Fail::failed(b, &format!("failed: {e}")),
+        }
     }
 }
 
-/// Finishes the request in the router when dropped.
-struct Finish<'a>(&'a Shared, Id);
+/// One request's place in the router, from its routing to its end: finished in the router
+/// when dropped; dropped before it was settled, the client went away.
+pub(super) struct Job {
+    pub sh: Arc<Shared>,
+    rid: Id,
+    number: i64,
+    keyed: Keyed,
+    pub t0: Instant,
+    settled: bool,
+    _slot: OwnedSemaphorePermit,
+}
 
-impl Drop for Finish<'_> {
+impl Job {
+    /// The request has its answer (or the client needs none): not a disconnect.
+    pub fn settle(&mut self) {
+        self.settled = true;
+    }
+
+    /// Record in the router the blocks the engine stored for this request's output (vLLM
+    /// keeps the blocks it completes), from the token ids the hooks found in its answer.
+    pub fn record_output(&self, got: Option<(Vec<u32>, u64)>) {
+        let (Some((ids, generated)), Some(tail)) = (got, &self.keyed.tail) else { return };
+        let (k, bs) = (&self.keyed, self.sh.config.block_size);
+        let keys = sequence_keys(&k.keys, k.input_length, tail, &ids, generated, bs);
+        if keys.len() as u64 > k.input_length / bs as u64 {
+            locked(&self.sh.router).extend(&self.rid, &keys);
+        }
+    }
+}
+
+impl Drop for Job {
     fn drop(&mut self) {
-        locked(&self.0.router).finish(&self.1);
+        if !self.settled {
+            self.sh.stats.error(ErrorKind::ClientDisconnect);
+        }
+        locked(&self.sh.router).finish(&self.rid);
     }
 }
 
-/// Forward one generation request and answer it.
-pub(super) async fn forward(sh: &Shared, req: &Request, down: &mut Down<'_>, mut w: Watch<'_>, chat: bool) {
-    let keyed = match key(sh, req, chat).await {
+/// The backend an attempt went to.
+pub(super) struct At {
+    pub instance: usize,
+    pub backend: Arc<Backend>,
+    pub bs: Arc<BackendStats>,
+}
+
+impl At {
+    /// The backend failed a request: the hooks hear of it.
+    pub fn failure(&self, sh: &Shared) {
+        self.backend.failing.store(true, Ordering::SeqCst);
+        sh.hooks.failure(self.instance);
+    }
+
+    fn success(&self, sh: &Shared) {
+        if self.backend.failing.swap(false, Ordering::SeqCst) {
+            sh.hooks.success(self.instance);
+        }
+    }
+}
+
+/// Forward one generation request; its answer.
+pub(super) async fn forward(sh: Arc<Shared>, req: Request, chat: bool) -> Response<Out> {
+    let keyed = match key(&sh, &req, chat).await {
         Ok(k) => k,
         Err(refusal) => {
             if refusal.status == 400 {
                 sh.stats.error(ErrorKind::BadRequest);
             }
-            down.send_json(refusal.status, &refusal.body).await;
-            return;
+            return json(refusal.status, refusal.body);
         }
     };
-    let Ok(_slot) = sh.forwarding.acquire().await else { return };
+    let Ok(slot) = Arc::clone(&sh.forwarding).acquire_owned().await else {
+        return error(503, "the proxy is stopping", "service_unavailable");
+    };
     let number = sh.next_request.fetch_add(1, Ordering::Relaxed);
-    let rid = Id::Int(number);
-    let _finish = Finish(sh, rid.clone());
-    let headers = without(&req.head.headers, &HOP);
+    let mut job = Job {
+        sh: Arc::clone(&sh),
+        rid: Id::Int(number),
+        number,
+        keyed,
+        t0: req.t0,
+        settled: false,
+        _slot: slot,
+    };
+    let answer = run(&job, &req).await;
+    match answer {
+        Answer::Whole(r) => {
+            job.settle();
+            r
+        }
+        Answer::Stream { head, upstream, first, at, model } => {
+            let body = Relayed::new(job, at, upstream, first, model);
+            Response::from_parts(head, body.boxed_unsync())
+        }
+    }
+}
+
+/// What an attempt gives the client.
+enum Answer {
+    Whole(Response<Out>),
+    /// A stream whose first data frame `first` came: the answer's head, the backend's body.
+    Stream {
+        head: hyper::http::response::Parts,
+        upstream: Incoming,
+        first: Bytes,
+        at: At,
+        model: bool,
+    },
+}
+
+/// The attempts of one request (see the module doc).
+async fn run(job: &Job, req: &Request) -> Answer {
+    let (sh, keyed) = (&*job.sh, &job.keyed);
     let mut tried: Vec<usize> = Vec::new();
     let mut fail: Option<Fail> = None;
     for attempt in 0..=sh.config.retries {
-        let (decision, terms) = match route(sh, &rid, &keyed, &tried) {
+        let (decision, terms) = match route(sh, &job.rid, keyed, &tried) {
             Ok(routed) => routed,
             Err(Error::NoInstanceAvailable) => {
-                if let Some(f) = &fail {
-                    f.answer(down).await;
-                } else {
-                    sh.stats.error(ErrorKind::NoBackend);
-                    let body = error_json("no backend is available", "service_unavailable", 503);
-                    down.send_json(503, &body).await;
-                }
-                return;
+                return Answer::Whole(fail.map_or_else(
+                    || {
+                        sh.stats.error(ErrorKind::NoBackend);
+                        error(503, "no backend is available", "service_unavailable")
+                    },
+                    Fail::answer,
+                ));
             }
             Err(e) => {
                 sh.hooks.log_error(&format!("routing failed: {e}"));
-                down.send_json(500, &error_json("internal proxy error", "internal_error", 500)).await;
-                return;
+                return Answer::Whole(error(500, "internal proxy error", "internal_error"));
             }
         };
         if attempt == 0 {
             sh.stats.routing.observe(req.t0.elapsed());
         }
         let i = decision.instance;
-        let Some(b) = sh.backends.get(i) else {
+        let Some(backend) = sh.backends.get(i) else {
             sh.hooks.log_error(&format!("router instance {i} has no backend"));
-            down.send_json(500, &error_json("internal proxy error", "internal_error", 500)).await;
-            return;
+            return Answer::Whole(error(500, "internal proxy error", "internal_error"));
         };
-        let bs = sh.stats.backend(i);
-        bs.decision(decision.branch, decision.hit_tokens);
+        let at = At { instance: i, bs: sh.stats.backend(i), backend };
+        at.bs.decision(decision.branch, decision.hit_tokens);
         if let (Some(log), Some(terms)) = (&sh.log, terms) {
-            let session = keyed.session.as_ref();
-            let input_length = keyed.input_length;
             log.write(&Record {
-                request: number,
-                session,
+                request: job.number,
+                session: keyed.session.as_ref(),
                 attempt,
                 decision: &decision,
-                backend: &b.url,
-                input_length,
+                backend: &at.backend.url,
+                input_length: keyed.input_length,
                 terms,
             });
         }
-        let a = Attempt { sh, req, keyed: &keyed, b: &b, bs: &bs, decision: &decision, rid: &rid };
-        match a.run(&headers, keyed.stream, down, &mut w).await {
-            Ok(()) => return,
-            Err(Outcome::ClientGone) => {
-                sh.stats.error(ErrorKind::ClientDisconnect);
-                down.gone = true;
-                return;
-            }
-            Err(Outcome::Fail(f)) => {
-                locked(&sh.router).finish(&rid);
-                bs.error(f.kind);
-                failure(sh, i, &b);
+        match attempt_on(job, req, &decision, at).await {
+            Ok(answer) => return answer,
+            Err((f, at)) => {
+                locked(&sh.router).finish(&job.rid);
+                at.bs.error(f.kind);
+                at.failure(sh);
                 tried.push(i);
                 if f.retry && attempt < sh.config.retries {
-                    bs.retries.fetch_add(1, Ordering::Relaxed);
+                    at.bs.retries.fetch_add(1, Ordering::Relaxed);
                     fail = Some(f);
                     continue;
                 }
-                f.answer(down).await;
-                return;
+                return Answer::Whole(f.answer());
             }
         }
     }
+    unreachable!("the last attempt answers")
 }
 
 /// The request's routing inputs, from the hooks (off the event loop when they may block).
-async fn key(sh: &Shared, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
-    let header = req.head.get(&sh.config.session_header);
+async fn key(sh: &Arc<Shared>, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
+    let header = req.session_header(&sh.config.session_header);
     if !chat {
         let c = &sh.config;
+        let session = header.as_deref();
         if let Some(k) =
-            super::body::token_prompt(&req.body, c.block_size, c.session_field.as_deref(), header)
+            super::body::token_prompt(&req.body, c.block_size, c.session_field.as_deref(), session)
         {
             return Ok(k);
         }
     }
     if !sh.hooks.key_may_block() {
-        return sh.hooks.key(&req.body, chat, header);
+        return sh.hooks.key(&req.body, chat, header.as_deref());
     }
-    let (hooks, body, header) =
-        (std::sync::Arc::clone(&sh.hooks), req.body.clone(), header.map(str::to_owned));
+    let (hooks, body) = (Arc::clone(&sh.hooks), req.body.clone());
     let keyed = tokio::task::spawn_blocking(move || hooks.key(&body, chat, header.as_deref())).await;
     keyed.unwrap_or_else(|_| {
-        let body = error_json("internal proxy error", "internal_error", 500);
-        Err(Refusal { status: 500, body })
+        Err(Refusal { status: 500, body: error_json("internal proxy error", "internal_error", 500) })
     })
 }
 
@@ -212,184 +312,152 @@ fn route(sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> crate::Result<(De
     Ok((decision?, terms))
 }
 
-fn failure(sh: &Shared, i: usize, b: &Backend) {
-    b.failing.store(true, Ordering::SeqCst);
-    sh.hooks.failure(i);
-}
-
-fn success(sh: &Shared, i: usize, b: &Backend) {
-    if b.failing.swap(false, Ordering::SeqCst) {
-        sh.hooks.success(i);
-    }
-}
-
-/// One attempt on one backend.
-struct Attempt<'a> {
-    sh: &'a Shared,
-    req: &'a Request,
-    keyed: &'a Keyed,
-    b: &'a Backend,
-    bs: &'a BackendStats,
-    decision: &'a Decision,
-    rid: &'a Id,
-}
-
-impl Attempt<'_> {
-    async fn run(
-        &self,
-        headers: &[(&str, &str)],
-        stream: bool,
-        down: &mut Down<'_>,
-        w: &mut Watch<'_>,
-    ) -> Result<(), Outcome> {
-        let (sh, b, i) = (self.sh, self.b, self.decision.instance);
-        let timeout = sh.config.request_timeout;
-        let target = format!("{}{}", b.prefix, self.req.head.target);
-        let data = upstream_request(&self.req.head.method, &target, &b.host, headers, &self.req.body);
-        let mut fresh = false;
-        let (mut ex, head) = loop {
-            let up = sh.pool.acquire(&b.address, fresh).await.map_err(|e| Fail::of(i, &ReadError::Io(e)))?;
-            let (mut ex, sent) = Exchange::send(up, &data, false).await;
-            let head = match sent {
-                Ok(()) => ex.head(w, timeout).await,
-                Err(e) => Err(ReadError::Io(e)),
-            };
-            match head {
-                Ok(head) => break (ex, head),
-                Err(ReadError::ClientGone) => return Err(Outcome::ClientGone),
-                Err(ReadError::Timeout) => return Err(Fail::of(i, &ReadError::Timeout).into()),
-                Err(_) if ex.reused() && ex.received == 0 && !fresh => fresh = true,
-                Err(e) => return Err(Fail::of(i, &e).into()),
-            }
-        };
-        let gone_or_fail = |e: ReadError| match e {
-            ReadError::ClientGone => Outcome::ClientGone,
-            e => Outcome::Fail(Fail::of(i, &e)),
-        };
-        if RETRY_STATUS.contains(&head.status) {
-            let body = ex.whole_body(w, timeout).await.map_err(gone_or_fail)?;
-            ex.finish(&sh.pool);
-            let mut f = Fail::new(ErrorKind::Status, head.status, String::new(), true);
-            let relayed = without(&head.headers, &DROP)
-                .iter()
-                .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-                .collect();
-            f.answer = Some((body, relayed));
-            return Err(f.into());
-        }
-        let extra = [
-            ("X-Kvroute-Instance", i.to_string()),
-            ("X-Kvroute-Backend", b.url.clone()),
-            ("X-Kvroute-Hit-Tokens", self.decision.hit_tokens.to_string()),
-        ];
-        let mut answer = without(&head.headers, &DROP);
-        answer.extend(extra.iter().map(|(k, v)| (*k, v.as_str())));
-        let mut output =
-            (head.status == 200 && sh.config.model_output && self.keyed.tail.is_some()).then(Vec::new);
-        if !(stream && head.status == 200) {
-            let body = ex.whole_body(w, timeout).await.map_err(gone_or_fail)?;
-            ex.finish(&sh.pool);
-            success(sh, i, b);
-            if output.is_some() {
-                self.extend(body.clone(), false).await;
-            }
-            usage(self.bs, &body);
-            self.bs.e2e.observe(self.req.t0.elapsed());
-            down.send(head.status, &answer, &body, None).await;
-            return Ok(());
-        }
-        let mut piece = Vec::new();
-        let mut done = ex.body(w, timeout, &mut piece).await.map_err(gone_or_fail)?;
-        if piece.is_empty() {
-            return Err(Fail::new(
-                ErrorKind::Connect,
-                502,
-                format!("backend {i} sent an empty stream"),
-                true,
-            )
-            .into());
-        }
-        locked(&sh.router).first_token(self.rid);
-        self.bs.ttft.observe(self.req.t0.elapsed());
-        success(sh, i, b);
-        let mut tail = Tail::default();
-        tail.push(&piece);
-        self.collect(&mut output, &piece, &tail).await;
-        down.start(200, &answer, &piece).await;
-        // Once `data: [DONE]` went out the request is complete: a client that hangs up then
-        // (the openai package does, before the body's last chunk) or a backend that fails
-        // after it changes nothing but the connections.
-        while !done && !down.gone {
-            piece.clear();
-            match ex.body(w, timeout, &mut piece).await {
-                Ok(end) => {
-                    done = end;
-                    tail.push(&piece);
-                    self.collect(&mut output, &piece, &tail).await;
-                    down.write(&piece, end).await;
-                }
-                Err(ReadError::ClientGone) => down.gone = true,
-                Err(_) if tail.ended() => break,
-                Err(e) => {
-                    self.midstream(&e, down).await;
-                    return Ok(());
+/// The whole body, each wait for its next bytes bounded by `timeout`.
+async fn whole(body: &mut Incoming, timeout: Duration) -> Result<Bytes, BodyFail> {
+    let mut out = Vec::new();
+    loop {
+        match tokio::time::timeout(timeout, body.frame()).await {
+            Err(_) => return Err(BodyFail::Timeout),
+            Ok(None) => return Ok(out.into()),
+            Ok(Some(Err(e))) => return Err(BodyFail::Failed(describe(&e))),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
                 }
             }
         }
-        if down.gone && !tail.ended() {
-            return Err(Outcome::ClientGone);
-        }
-        down.write(&[], true).await;
-        ex.finish(&sh.pool);
-        usage(self.bs, tail.bytes());
-        self.bs.e2e.observe(self.req.t0.elapsed());
-        Ok(())
     }
+}
 
-    /// Keep a streamed answer's bytes while its output is modelled (`output`), and once its
-    /// `[DONE]` is in, before the client can see it, record the output's blocks.
-    async fn collect(&self, output: &mut Option<Vec<u8>>, piece: &[u8], tail: &Tail) {
-        let Some(answer) = output.as_mut() else { return };
-        answer.extend_from_slice(piece);
-        if answer.len() > MAX_OUTPUT {
-            *output = None; // too long to keep: this answer's output is not modelled
-        } else if tail.ended() {
-            let answer = output.take().unwrap_or_default();
-            self.extend(answer, true).await;
+/// The first data frame of a stream: None if it ended without one.
+async fn first_data(body: &mut Incoming, timeout: Duration) -> Result<Option<Bytes>, BodyFail> {
+    loop {
+        match tokio::time::timeout(timeout, body.frame()).await {
+            Err(_) => return Err(BodyFail::Timeout),
+            Ok(None) => return Ok(None),
+            Ok(Some(Err(e))) => return Err(BodyFail::Failed(describe(&e))),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => return Ok(Some(data)),
+                _ => {}
+            },
         }
     }
+}
 
-    /// Record in the router the blocks the engine stored for this request's output (vLLM keeps
-    /// the blocks it completes), from the token ids the hooks find in `answer`.
-    async fn extend(&self, answer: Vec<u8>, stream: bool) {
-        let (sh, k) = (self.sh, self.keyed);
-        let Some(tail) = &k.tail else { return };
-        if !sh.config.output_from_text && !answer.windows(11).any(|w| w == b"\"token_ids\"") {
-            return; // nothing the hooks could read the output's ids from
+/// Send the request to `at`'s backend; its answer's head (see the module doc on retries).
+async fn send(sh: &Shared, req: &Request, at: &At) -> Result<Response<Incoming>, Fail> {
+    let (b, i) = (&at.backend, at.instance);
+    let uri = format!("http://{}{}{}", b.address.authority(), b.prefix, req.target());
+    let mut headers = forwarded(&req.head.headers);
+    let host = HeaderValue::from_str(&b.host)
+        .map_err(|_| Fail::failed(i, "has a host name that is not a header value"))?;
+    headers.insert(HOST, host);
+    let mut fresh = false;
+    loop {
+        let mut up = hyper::Request::new(Full::new(req.body.clone()));
+        *up.method_mut() = req.head.method.clone();
+        *up.uri_mut() = uri.parse().map_err(|e| Fail::failed(i, &format!("has no valid URI: {e}")))?;
+        *up.headers_mut() = headers.clone();
+        let client = if fresh { &sh.fresh } else { &sh.client };
+        match tokio::time::timeout(sh.config.request_timeout, client.request(up)).await {
+            Err(_) => return Err(Fail::timeout(i)),
+            Ok(Ok(answer)) => return Ok(answer),
+            Ok(Err(e)) if !e.is_connect() && !fresh => fresh = true,
+            Ok(Err(e)) => return Err(Fail::failed(i, &format!("failed: {}", describe(&e)))),
         }
-        let got = if sh.hooks.key_may_block() {
-            let hooks = std::sync::Arc::clone(&sh.hooks);
-            tokio::task::spawn_blocking(move || hooks.output(&answer, stream)).await.ok().flatten()
-        } else {
-            sh.hooks.output(&answer, stream)
+    }
+}
+
+/// One attempt on one backend: the answer, or why it failed (with the backend, to blame).
+async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Result<Answer, (Fail, At)> {
+    let sh = &*job.sh;
+    let i = at.instance;
+    let timeout = sh.config.request_timeout;
+    let answer = match send(sh, req, &at).await {
+        Ok(a) => a,
+        Err(f) => return Err((f, at)),
+    };
+    let (mut head, mut upstream) = answer.into_parts();
+    let status = head.status.as_u16();
+    head.headers = relayed(&head.headers);
+    head.version = hyper::Version::HTTP_11;
+    if RETRY_STATUS.contains(&status) {
+        return match whole(&mut upstream, timeout).await {
+            Ok(body) => {
+                let mut f = Fail {
+                    kind: ErrorKind::Status,
+                    status,
+                    message: String::new(),
+                    retry: true,
+                    answer: None,
+                };
+                f.answer = Some((body, head.headers));
+                Err((f, at))
+            }
+            Err(e) => Err((e.fail(i), at)),
         };
-        let Some((ids, generated)) = got else { return };
-        let keys = sequence_keys(&k.keys, k.input_length, tail, &ids, generated, sh.config.block_size);
-        if keys.len() as u64 > k.input_length / sh.config.block_size as u64 {
-            locked(&sh.router).extend(self.rid, &keys);
+    }
+    let extra = [
+        ("x-kvroute-instance", i.to_string()),
+        ("x-kvroute-backend", at.backend.url.clone()),
+        ("x-kvroute-hit-tokens", decision.hit_tokens.to_string()),
+    ];
+    for (k, v) in extra {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            head.headers.insert(HeaderName::from_static(k), v);
         }
     }
-
-    async fn midstream(&self, e: &ReadError, down: &mut Down<'_>) {
-        let i = self.decision.instance;
-        let timeout = matches!(e, ReadError::Timeout);
-        self.bs.error(if timeout { ErrorKind::Timeout } else { ErrorKind::Midstream });
-        failure(self.sh, i, self.b);
-        let what = if timeout { "timed out".to_string() } else { format!("failed: {e}") };
-        let err = error_json(&format!("backend {i} {what} mid-stream"), "bad_gateway", 502);
-        let mut event = b"data: ".to_vec();
-        event.extend_from_slice(&err);
-        event.extend_from_slice(b"\n\n");
-        down.write(&event, true).await;
+    let model = status == 200 && sh.config.model_output && job.keyed.tail.is_some();
+    if !(job.keyed.stream && status == 200) {
+        let body = match whole(&mut upstream, timeout).await {
+            Ok(body) => body,
+            Err(e) => return Err((e.fail(i), at)),
+        };
+        at.success(sh);
+        if model {
+            job.record_output(output(&job.sh, body.to_vec(), false).await);
+        }
+        usage(&at.bs, &body);
+        at.bs.e2e.observe(job.t0.elapsed());
+        return Ok(Answer::Whole(Response::from_parts(head, full(body))));
     }
+    let first = match first_data(&mut upstream, timeout).await {
+        Ok(Some(first)) => first,
+        Ok(None) => return Err((Fail::failed(i, "sent an empty stream"), at)),
+        Err(e) => return Err((e.fail(i), at)),
+    };
+    locked(&sh.router).first_token(&job.rid);
+    at.bs.ttft.observe(job.t0.elapsed());
+    at.success(sh);
+    Ok(Answer::Stream { head, upstream, first, at, model })
+}
+
+/// The token ids an answer generated and how many tokens it sampled, as the hooks read
+/// them: at once, or on the blocking pool when the hooks may wait on the network.
+pub(super) enum Output {
+    Now(Option<(Vec<u32>, u64)>),
+    Later(JoinHandle<Option<(Vec<u32>, u64)>>),
+}
+
+impl Future for Output {
+    type Output = Option<(Vec<u32>, u64)>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            Output::Now(got) => Poll::Ready(got.take()),
+            Output::Later(h) => Pin::new(h).poll(cx).map(|got| got.ok().flatten()),
+        }
+    }
+}
+
+/// Start reading the output of `answer` (`stream`: an SSE body) with the hooks.
+pub(super) fn output(sh: &Arc<Shared>, answer: Vec<u8>, stream: bool) -> Output {
+    if !sh.config.output_from_text && !answer.windows(11).any(|w| w == b"\"token_ids\"") {
+        return Output::Now(None); // nothing the hooks could read the output's ids from
+    }
+    if !sh.hooks.key_may_block() {
+        return Output::Now(sh.hooks.output(&answer, stream));
+    }
+    let hooks = Arc::clone(&sh.hooks);
+    Output::Later(tokio::task::spawn_blocking(move || hooks.output(&answer, stream)))
 }

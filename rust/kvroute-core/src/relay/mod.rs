@@ -1,13 +1,13 @@
-//! The proxy's compiled data path: an HTTP/1.1 relay in front of a fleet of engines that
-//! routes each generation request with the [`Router`] and relays the answer byte for byte.
+//! The proxy's compiled data path: an HTTP/1.1 relay on hyper in front of a fleet of engines
+//! that routes each generation request with the [`Router`] and relays the answer as it comes.
 //!
 //! - [`body`]: keying a token-id completions body without the hooks.
-//! - [`http`]: HTTP/1.1 framing (heads, bodies, chunks).
-//! - [`io`]: TCP and Unix stream sockets, connecting with a time limit.
-//! - [`upstream`]: keep-alive connections to the backends and reading one response.
-//! - `front`: a client connection: reading requests, refusing bad ones.
-//! - `reply`: the answer writer and error bodies.
-//! - `forward`: one generation request: key, route, send, retry, relay, finish.
+//! - [`connect`]: backend addresses (TCP and Unix sockets) and hyper's pooled client.
+//! - `server`: client connections on hyper's server: reading requests, refusing bad ones,
+//!   relaying the side application's requests.
+//! - `forward`: one generation request: key, route, send, retry, answer, finish.
+//! - `stream`: a streamed answer's body, relayed frame by frame.
+//! - `reply`: answer bodies and JSON error bodies.
 //! - [`stats`]: counters and histograms for the metrics; `usage`: the usage an answer
 //!   reports; `log`: the JSONL decision log.
 //!
@@ -17,20 +17,20 @@
 //! goes to the side application (the control plane: health, metrics, admin) at
 //! `RelayConfig::side`. What the relay cannot do by itself it asks of its [`Hooks`]: the keys
 //! of a body (the tokenizer lives there), and a backend's failures and recoveries (its health
-//! state lives there).
+//! state lives there). At most `max_connections` client connections are served at once;
+//! one beyond gets a 503 and is closed.
 //!
 //! Thread-safety: the relay's state is shared with the caller's threads through an `Arc`;
 //! the router is locked for each lifecycle step, never across an await or while a hook runs.
 
 pub mod body;
+pub mod connect;
 mod forward;
-mod front;
-pub mod http;
-pub mod io;
 mod log;
 mod reply;
+mod server;
 pub mod stats;
-pub mod upstream;
+mod stream;
 mod usage;
 
 use std::net::TcpListener;
@@ -43,9 +43,8 @@ use std::time::Duration;
 use tokio::sync::{watch, Notify, Semaphore};
 
 use crate::{Id, Router};
-use io::Address;
+use connect::{Address, HttpClient};
 use stats::Stats;
-use upstream::Pool;
 
 /// How a relay runs.
 #[derive(Debug, Clone)]
@@ -56,8 +55,11 @@ pub struct RelayConfig {
     pub request_timeout: Duration,
     /// Longest wait for a connection to a backend.
     pub connect_timeout: Duration,
-    /// A client connection with no request for this long is closed.
-    pub idle_timeout: Duration,
+    /// Longest wait for a request head to be complete, counted from when the connection
+    /// waits for it (so it also closes an idle kept-alive connection).
+    pub header_read_timeout: Duration,
+    /// Client connections served at once; one beyond gets a 503 and is closed.
+    pub max_connections: usize,
     /// An idle upstream connection is closed after this long.
     pub upstream_idle_timeout: Duration,
     /// Generation requests forwarded at once; more wait.
@@ -168,12 +170,17 @@ pub(crate) struct Shared {
     router: Arc<Mutex<Router>>,
     backends: Arc<Backends>,
     hooks: Arc<dyn Hooks>,
-    pool: Pool,
+    /// Keep-alive connections to the backends and the side application.
+    client: HttpClient,
+    /// A new connection for each request (the one replacement of a closed kept-alive one).
+    fresh: HttpClient,
     stats: Arc<Stats>,
     log: Option<log::DecisionLog>,
     next_request: AtomicI64,
     /// Generation requests forwarded at once (`max_concurrency` permits).
-    forwarding: Semaphore,
+    forwarding: Arc<Semaphore>,
+    /// Client connections open (`max_connections` permits).
+    connections: Arc<Semaphore>,
     /// Some(grace) once stopping.
     stop: watch::Sender<Option<Duration>>,
     open: AtomicUsize,
@@ -196,9 +203,15 @@ impl Relay {
         hooks: Arc<dyn Hooks>,
     ) -> std::io::Result<Relay> {
         let log = config.decision_log.as_deref().map(log::DecisionLog::open).transpose()?;
+        listener.set_nonblocking(true)?;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let _entered = runtime.enter(); // the listener and hyper's client take its reactor
+        let (connect, idle) = (config.connect_timeout, config.upstream_idle_timeout);
         let shared = Arc::new(Shared {
-            pool: Pool::new(config.connect_timeout, config.upstream_idle_timeout),
-            forwarding: Semaphore::new(config.max_concurrency.min(Semaphore::MAX_PERMITS)),
+            client: connect::client(connect, idle, true),
+            fresh: connect::client(connect, idle, false),
+            forwarding: Arc::new(Semaphore::new(config.max_concurrency.min(Semaphore::MAX_PERMITS))),
+            connections: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
             config,
             router,
             backends,
@@ -210,17 +223,12 @@ impl Relay {
             open: AtomicUsize::new(0),
             closed: Notify::new(),
         });
-        listener.set_nonblocking(true)?;
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let listener = {
-            let _entered = runtime.enter();
-            tokio::net::TcpListener::from_std(listener)?
-        };
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        drop(_entered);
         let sh = Arc::clone(&shared);
         let thread = std::thread::Builder::new().name("kvroute-relay".into()).spawn(move || {
             runtime.block_on(run(Arc::clone(&sh), listener));
             runtime.shutdown_timeout(Duration::from_secs(1));
-            sh.pool.clear();
         })?;
         Ok(Relay { shared, thread: Some(thread) })
     }
@@ -260,8 +268,8 @@ impl Drop for Relay {
 /// the grace period); the runtime drops whatever is left.
 async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
     let mut stop = sh.stop.subscribe();
-    let mut sweep = tokio::time::interval(Duration::from_secs(1));
-    let mut accept_errors = AcceptErrors::default();
+    let mut accept_errors = Throttled::default();
+    let mut busy = Throttled::default();
     let grace = loop {
         if let Some(grace) = *stop.borrow() {
             break grace;
@@ -271,17 +279,25 @@ async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
                 Ok((stream, _)) => {
                     sh.open.fetch_add(1, Ordering::SeqCst);
                     let conn = Arc::clone(&sh);
-                    tokio::spawn(async move {
-                        let _open = Open(&conn);
-                        front::serve(Arc::clone(&conn), stream).await;
-                    });
+                    match Arc::clone(&sh.connections).try_acquire_owned() {
+                        Ok(slot) => tokio::spawn(async move {
+                            let _open = (Open(&conn), slot);
+                            server::serve(Arc::clone(&conn), stream).await;
+                        }),
+                        Err(_) => {
+                            busy.note(sh.hooks.as_ref(), "the connection limit is reached; answering 503");
+                            tokio::spawn(async move {
+                                let _open = Open(&conn);
+                                server::refuse_busy(Arc::clone(&conn), stream).await;
+                            })
+                        }
+                    };
                 }
                 Err(e) => {
-                    accept_errors.note(sh.hooks.as_ref(), &e);
+                    accept_errors.note(sh.hooks.as_ref(), &format!("accept failed: {e}; retrying"));
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
-            _ = sweep.tick() => sh.pool.sweep(),
             _ = stop.changed() => {}
         }
     };
@@ -302,30 +318,30 @@ async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
     }
 }
 
-/// How often failures to accept a connection are logged at most (out of file descriptors,
-/// they come back at every retry).
-const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(5);
+/// How often a recurring condition is logged at most (failures to accept a connection: out
+/// of file descriptors, they come back at every retry; connections beyond the cap).
+const LOG_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Failures to accept, logged at most once per [`ACCEPT_LOG_INTERVAL`] with how many more
-/// there were since the last line.
+/// A recurring condition, logged at most once per [`LOG_INTERVAL`] with how many more
+/// times it came since the last line.
 #[derive(Default)]
-struct AcceptErrors {
+struct Throttled {
     logged: Option<std::time::Instant>,
     since: u64,
 }
 
-impl AcceptErrors {
-    fn note(&mut self, hooks: &dyn Hooks, e: &std::io::Error) {
+impl Throttled {
+    fn note(&mut self, hooks: &dyn Hooks, message: &str) {
         let now = std::time::Instant::now();
-        if self.logged.is_some_and(|t| now.duration_since(t) < ACCEPT_LOG_INTERVAL) {
+        if self.logged.is_some_and(|t| now.duration_since(t) < LOG_INTERVAL) {
             self.since += 1;
             return;
         }
         let more = match self.since {
             0 => String::new(),
-            n => format!(" ({n} more failures since the last report)"),
+            n => format!(" ({n} more times since the last report)"),
         };
-        hooks.log_error(&format!("accept failed: {e}{more}; retrying"));
+        hooks.log_error(&format!("{message}{more}"));
         (self.logged, self.since) = (Some(now), 0);
     }
 }

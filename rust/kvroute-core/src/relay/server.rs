@@ -1,0 +1,210 @@
+//! The relay's server side: each client connection served by hyper's HTTP/1.1 server
+//! (keep-alive, pipelining, `Expect: 100-continue`, HTTP/1.0 clients), each request read
+//! whole (within the body limit) and sent on: the two generation endpoints to
+//! [`super::forward`], everything else to the side application.
+//!
+//! hyper refuses what it cannot parse with a bare status and closes the connection: a
+//! malformed head or header value (a bare CR or a NUL in it, 400), a head over 64 KiB (431),
+//! another HTTP version (505), a request head not complete within the header-read deadline,
+//! which also bounds an idle kept-alive connection. The relay refuses, with an OpenAI-style
+//! JSON error and a closed connection: a body over the limit (413, before reading it when
+//! announced) and a body that cannot be read (a malformed chunk, 400).
+//!
+//! O(bytes) per request; one task per connection.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderValue, CONNECTION, CONTENT_LENGTH, HOST};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+
+use super::reply::{error, Out};
+use super::Shared;
+
+/// The longest request head accepted.
+pub const MAX_HEAD: usize = 64 << 10;
+
+/// Request headers not forwarded (hop-by-hop, framing, and compression).
+const HOP: [&str; 12] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "expect",
+    "accept-encoding",
+];
+/// Answer headers not relayed (hyper frames the relay's answers).
+const DROP: [&str; 4] = ["connection", "keep-alive", "transfer-encoding", "content-length"];
+
+fn without(headers: &HeaderMap, names: &[&str]) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (k, v) in headers {
+        if !names.contains(&k.as_str()) {
+            out.append(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+/// A client's headers as sent upstream (`Host` is the caller's).
+pub(super) fn forwarded(headers: &HeaderMap) -> HeaderMap {
+    without(headers, &HOP)
+}
+
+/// An answer's headers as relayed to the client.
+pub(super) fn relayed(headers: &HeaderMap) -> HeaderMap {
+    without(headers, &DROP)
+}
+
+/// An error with its causes, as one line.
+pub(super) fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+/// One request: head, whole body, and when its head was read.
+pub(super) struct Request {
+    pub head: hyper::http::request::Parts,
+    pub body: Bytes,
+    pub t0: Instant,
+}
+
+impl Request {
+    /// Path and query, as sent.
+    pub fn target(&self) -> &str {
+        self.head.uri.path_and_query().map_or("/", |p| p.as_str())
+    }
+
+    /// The session header's value (`lower_name`), its bytes read as latin-1.
+    pub fn session_header(&self, lower_name: &str) -> Option<String> {
+        let v = self.head.headers.get(lower_name)?;
+        Some(v.as_bytes().iter().map(|&b| char::from(b)).collect())
+    }
+}
+
+/// Serve one client connection until it closes, times out, or the relay stops (then its
+/// requests being answered finish first).
+pub(super) async fn serve(sh: Arc<Shared>, stream: TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let mut stop = sh.stop.subscribe();
+    let conn_sh = Arc::clone(&sh);
+    let service = service_fn(move |req| {
+        let sh = Arc::clone(&conn_sh);
+        async move { Ok::<_, Infallible>(handle(sh, req).await) }
+    });
+    let conn = builder(&sh).serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    if stop.borrow().is_none() {
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            _ = stop.changed() => {}
+        }
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+}
+
+/// Answer a connection beyond the cap with 503 and close it.
+pub(super) async fn refuse_busy(sh: Arc<Shared>, stream: TcpStream) {
+    let cap = sh.config.max_connections;
+    let service = service_fn(move |_req| async move {
+        let message = format!("the proxy has {cap} connections open, its limit; try again later");
+        Ok::<_, Infallible>(closing(error(503, &message, "service_unavailable")))
+    });
+    let mut b = builder(&sh);
+    b.keep_alive(false);
+    let _ = b.serve_connection(TokioIo::new(stream), service).await;
+}
+
+fn builder(sh: &Shared) -> http1::Builder {
+    let mut b = http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .header_read_timeout(sh.config.header_read_timeout)
+        .max_header_size(MAX_HEAD)
+        .max_headers(1000);
+    b
+}
+
+/// An answer after which the connection closes.
+fn closing(mut r: Response<Out>) -> Response<Out> {
+    r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+async fn handle(sh: Arc<Shared>, req: hyper::Request<Incoming>) -> Response<Out> {
+    let t0 = Instant::now();
+    let (head, body) = req.into_parts();
+    let max = sh.config.max_body;
+    let too_big =
+        || closing(error(413, &format!("the request body exceeds {max} bytes"), "invalid_request_error"));
+    let announced = head.headers.get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > max as u64) {
+        return too_big();
+    }
+    let body = match Limited::new(body, max).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_big(),
+        Err(e) => {
+            let message = format!("the request body could not be read: {}", describe(e.as_ref()));
+            return closing(error(400, &message, "invalid_request_error"));
+        }
+    };
+    let req = Request { head, body, t0 };
+    let path = req.head.uri.path();
+    if req.head.method == Method::POST && matches!(path, "/v1/completions" | "/v1/chat/completions") {
+        let chat = path == "/v1/chat/completions";
+        return super::forward::forward(sh, req, chat).await;
+    }
+    to_side(&sh, req).await
+}
+
+/// Relay a request to the side application and its answer back (its body as it comes).
+async fn to_side(sh: &Shared, req: Request) -> Response<Out> {
+    let uri = format!("http://{}{}", sh.config.side.authority(), req.target());
+    let mut up = hyper::Request::new(Full::new(req.body));
+    *up.method_mut() = req.head.method;
+    *up.headers_mut() = forwarded(&req.head.headers);
+    up.headers_mut().insert(HOST, HeaderValue::from_static("kvroute"));
+    let failed = |what: String| {
+        sh.hooks.log_error(&format!("the proxy's side application failed: {what}"));
+        error(502, "internal proxy error", "internal_error")
+    };
+    match uri.parse() {
+        Ok(uri) => *up.uri_mut() = uri,
+        Err(e) => return failed(e.to_string()),
+    }
+    match tokio::time::timeout(sh.config.request_timeout, sh.client.request(up)).await {
+        Ok(Ok(answer)) => {
+            let (mut head, body) = answer.into_parts();
+            // The length stays: an answer to `HEAD` has one and no body.
+            head.headers = without(&head.headers, &DROP[..3]);
+            head.version = hyper::Version::HTTP_11;
+            Response::from_parts(head, body.boxed_unsync())
+        }
+        Ok(Err(e)) => failed(describe(&e)),
+        Err(_) => failed("timed out".into()),
+    }
+}
