@@ -1,5 +1,5 @@
 //! `kvroute._core`: the PyO3 bindings of kvroute-core. One small file per exposed piece:
-//! [`router`] (the `Router` class), `relay` (the proxy's compiled data path), [`keys`] (key functions), [`convert`] (argument
+//! [`router`] (the `Router` class), `relay` (the proxy's data path, on hyper), [`keys`] (key functions), [`convert`] (argument
 //! conversion), [`ceilings`] (trace ceilings over Arrow input), [`sim`] (the simulator and
 //! `EngineModel`), [`worker`] (interruptible long work)
 //! and [`errors`] (exception mapping).

@@ -1,4 +1,4 @@
-//! `kvroute._core.Relay`: the proxy's compiled data path (`kvroute_core::relay`) behind a
+//! `kvroute._core.Relay`: the proxy's data path (`kvroute_core::relay`, on hyper) behind a
 //! Python class. The Python proxy binds the listening socket, runs the control plane (the
 //! side application, health checks, admin), and hands the relay a `hooks` object whose
 //! methods the relay's threads call with the GIL: `key(body, chat, session_header)` →
@@ -119,7 +119,7 @@ impl Hooks for PyHooks {
     }
 }
 
-/// The compiled data path of `kvroute proxy` (see the module doc).
+/// The data path of `kvroute proxy` (see the module doc).
 #[pyclass(frozen, name = "Relay", module = "kvroute._core")]
 pub struct PyRelay {
     relay: Mutex<Option<Relay>>,
@@ -174,7 +174,7 @@ fn address(py: Python<'_>, (scheme, host, port): (String, String, u16), what: &s
     match scheme.as_str() {
         "http" => Ok(Address::Tcp(host, port)),
         "unix" => Ok(Address::Unix(PathBuf::from(host))),
-        other => Err(invalid(py, format!("the native data path cannot reach {other}:// ({what})"))),
+        other => Err(invalid(py, format!("the relay cannot reach {other}:// ({what})"))),
     }
 }
 
@@ -272,7 +272,7 @@ impl PyRelay {
             other => {
                 return Err(invalid(
                     py,
-                    format!("the native data path cannot reach {other}:// backends ({url})"),
+                    format!("the relay cannot reach {other}:// backends ({url})"),
                 ))
             }
         };
