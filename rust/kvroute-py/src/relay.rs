@@ -269,12 +269,7 @@ impl PyRelay {
         let address = match scheme.as_str() {
             "http" => Address::Tcp(where_, port),
             "unix" => Address::Unix(PathBuf::from(where_)),
-            other => {
-                return Err(invalid(
-                    py,
-                    format!("the relay cannot reach {other}:// backends ({url})"),
-                ))
-            }
+            other => return Err(invalid(py, format!("the relay cannot reach {other}:// backends ({url})"))),
         };
         let failing = false.into();
         self.backends.set(index, Backend { url, address, host, prefix, failing });

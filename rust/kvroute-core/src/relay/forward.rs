@@ -19,7 +19,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -30,8 +30,9 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 
 use super::log::{Record, Terms};
+use super::pool::{Failure, Upstream};
 use super::reply::{error, error_json, full, json, Out};
-use super::server::{describe, forwarded, relayed, Request};
+use super::server::{relayed, Request};
 use super::stats::{BackendStats, ErrorKind};
 use super::stream::Relayed;
 use super::usage::usage;
@@ -84,21 +85,6 @@ impl Fail {
         }
         let kind = if self.status == 504 { "gateway_timeout" } else { "bad_gateway" };
         error(self.status, &self.message, kind)
-    }
-}
-
-/// How a body could not be read off a backend.
-enum BodyFail {
-    Timeout,
-    Failed(String),
-}
-
-impl BodyFail {
-    fn fail(self, b: usize) -> Fail {
-        match self {
-            BodyFail::Timeout => Fail::timeout(b),
-            BodyFail::Failed(e) => Fail::failed(b, &format!("failed: {e}")),
-        }
     }
 }
 
@@ -192,8 +178,8 @@ pub(super) async fn forward(sh: Arc<Shared>, req: Request, chat: bool) -> Respon
             job.settle();
             r
         }
-        Answer::Stream { head, upstream, first, at, model } => {
-            let body = Relayed::new(job, at, upstream, first, model);
+        Answer::Stream { head, up, upstream, first, at, model } => {
+            let body = Relayed::new(job, at, (up, upstream), first, model);
             Response::from_parts(head, body.boxed_unsync())
         }
     }
@@ -205,6 +191,7 @@ enum Answer {
     /// A stream whose first data frame `first` came: the answer's head, the backend's body.
     Stream {
         head: hyper::http::response::Parts,
+        up: Box<Upstream>,
         upstream: Incoming,
         first: Bytes,
         at: At,
@@ -312,59 +299,29 @@ fn route(sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> crate::Result<(De
     Ok((decision?, terms))
 }
 
-/// The whole body, each wait for its next bytes bounded by `timeout`.
-async fn whole(body: &mut Incoming, timeout: Duration) -> Result<Bytes, BodyFail> {
-    let mut out = Vec::new();
-    loop {
-        match tokio::time::timeout(timeout, body.frame()).await {
-            Err(_) => return Err(BodyFail::Timeout),
-            Ok(None) => return Ok(out.into()),
-            Ok(Some(Err(e))) => return Err(BodyFail::Failed(describe(&e))),
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    out.extend_from_slice(&data);
-                }
-            }
-        }
-    }
-}
-
-/// The first data frame of a stream: None if it ended without one.
-async fn first_data(body: &mut Incoming, timeout: Duration) -> Result<Option<Bytes>, BodyFail> {
-    loop {
-        match tokio::time::timeout(timeout, body.frame()).await {
-            Err(_) => return Err(BodyFail::Timeout),
-            Ok(None) => return Ok(None),
-            Ok(Some(Err(e))) => return Err(BodyFail::Failed(describe(&e))),
-            Ok(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) if !data.is_empty() => return Ok(Some(data)),
-                _ => {}
-            },
-        }
-    }
-}
-
-/// Send the request to `at`'s backend; its answer's head (see the module doc on retries).
-async fn send(sh: &Shared, req: &Request, at: &At) -> Result<Response<Incoming>, Fail> {
+/// Send the request to `at`'s backend: the connection and the answer's head.
+async fn send(sh: &Shared, req: &Request, at: &At) -> Result<(Box<Upstream>, Response<Incoming>), Fail> {
     let (b, i) = (&at.backend, at.instance);
-    let uri = format!("http://{}{}{}", b.address.authority(), b.prefix, req.target());
-    let mut headers = forwarded(&req.head.headers);
+    let uri: hyper::Uri = format!("{}{}", b.prefix, req.target())
+        .parse()
+        .map_err(|e| Fail::failed(i, &format!("has no valid URI: {e}")))?;
     let host = HeaderValue::from_str(&b.host)
         .map_err(|_| Fail::failed(i, "has a host name that is not a header value"))?;
-    headers.insert(HOST, host);
-    let mut fresh = false;
-    loop {
+    let make = || {
         let mut up = hyper::Request::new(Full::new(req.body.clone()));
         *up.method_mut() = req.head.method.clone();
-        *up.uri_mut() = uri.parse().map_err(|e| Fail::failed(i, &format!("has no valid URI: {e}")))?;
-        *up.headers_mut() = headers.clone();
-        let client = if fresh { &sh.fresh } else { &sh.client };
-        match tokio::time::timeout(sh.config.request_timeout, client.request(up)).await {
-            Err(_) => return Err(Fail::timeout(i)),
-            Ok(Ok(answer)) => return Ok(answer),
-            Ok(Err(e)) if !e.is_connect() && !fresh => fresh = true,
-            Ok(Err(e)) => return Err(Fail::failed(i, &format!("failed: {}", describe(&e)))),
-        }
+        *up.uri_mut() = uri.clone();
+        *up.headers_mut() = req.head.headers.clone();
+        up.headers_mut().insert(HOST, host.clone());
+        up
+    };
+    sh.pool.exchange(&b.address, sh.config.request_timeout, make).await.map_err(|e| fail(i, e))
+}
+
+fn fail(b: usize, e: Failure) -> Fail {
+    match e {
+        Failure::Timeout => Fail::timeout(b),
+        Failure::Failed(e) => Fail::failed(b, &format!("failed: {e}")),
     }
 }
 
@@ -373,17 +330,18 @@ async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Re
     let sh = &*job.sh;
     let i = at.instance;
     let timeout = sh.config.request_timeout;
-    let answer = match send(sh, req, &at).await {
-        Ok(a) => a,
+    let (mut up, answer) = match send(sh, req, &at).await {
+        Ok(got) => got,
         Err(f) => return Err((f, at)),
     };
     let (mut head, mut upstream) = answer.into_parts();
     let status = head.status.as_u16();
-    head.headers = relayed(&head.headers);
+    relayed(&mut head.headers);
     head.version = hyper::Version::HTTP_11;
     if RETRY_STATUS.contains(&status) {
-        return match whole(&mut upstream, timeout).await {
+        return match up.whole(&mut upstream, timeout).await {
             Ok(body) => {
+                sh.pool.release(up);
                 let mut f = Fail {
                     kind: ErrorKind::Status,
                     status,
@@ -394,7 +352,7 @@ async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Re
                 f.answer = Some((body, head.headers));
                 Err((f, at))
             }
-            Err(e) => Err((e.fail(i), at)),
+            Err(e) => Err((fail(i, e), at)),
         };
     }
     let extra = [
@@ -409,10 +367,11 @@ async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Re
     }
     let model = status == 200 && sh.config.model_output && job.keyed.tail.is_some();
     if !(job.keyed.stream && status == 200) {
-        let body = match whole(&mut upstream, timeout).await {
+        let body = match up.whole(&mut upstream, timeout).await {
             Ok(body) => body,
-            Err(e) => return Err((e.fail(i), at)),
+            Err(e) => return Err((fail(i, e), at)),
         };
+        sh.pool.release(up);
         at.success(sh);
         if model {
             job.record_output(output(&job.sh, body.to_vec(), false).await);
@@ -421,15 +380,15 @@ async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Re
         at.bs.e2e.observe(job.t0.elapsed());
         return Ok(Answer::Whole(Response::from_parts(head, full(body))));
     }
-    let first = match first_data(&mut upstream, timeout).await {
+    let first = match up.next_data(&mut upstream, timeout).await {
         Ok(Some(first)) => first,
         Ok(None) => return Err((Fail::failed(i, "sent an empty stream"), at)),
-        Err(e) => return Err((e.fail(i), at)),
+        Err(e) => return Err((fail(i, e), at)),
     };
     locked(&sh.router).first_token(&job.rid);
     at.bs.ttft.observe(job.t0.elapsed());
     at.success(sh);
-    Ok(Answer::Stream { head, upstream, first, at, model })
+    Ok(Answer::Stream { head, up, upstream, first, at, model })
 }
 
 /// The token ids an answer generated and how many tokens it sampled, as the hooks read
@@ -450,9 +409,14 @@ impl Future for Output {
     }
 }
 
+/// Whether an answer carries the engine's token ids (`"token_ids"`).
+pub(super) fn has_token_ids(answer: &[u8]) -> bool {
+    super::usage::find(answer, "\"token_ids\"", false).is_some()
+}
+
 /// Start reading the output of `answer` (`stream`: an SSE body) with the hooks.
 pub(super) fn output(sh: &Arc<Shared>, answer: Vec<u8>, stream: bool) -> Output {
-    if !sh.config.output_from_text && !answer.windows(11).any(|w| w == b"\"token_ids\"") {
+    if !sh.config.output_from_text && !has_token_ids(&answer) {
         return Output::Now(None); // nothing the hooks could read the output's ids from
     }
     if !sh.hooks.key_may_block() {

@@ -2,7 +2,8 @@
 //! that routes each generation request with the [`Router`] and relays the answer as it comes.
 //!
 //! - [`body`]: keying a token-id completions body without the hooks.
-//! - [`connect`]: backend addresses (TCP and Unix sockets) and hyper's pooled client.
+//! - [`connect`]: backend addresses (TCP and Unix sockets) and connecting to them.
+//! - `pool`: keep-alive connections on hyper's HTTP/1.1 client, driven by their requests.
 //! - `server`: client connections on hyper's server: reading requests, refusing bad ones,
 //!   relaying the side application's requests.
 //! - `forward`: one generation request: key, route, send, retry, answer, finish.
@@ -27,6 +28,7 @@ pub mod body;
 pub mod connect;
 mod forward;
 mod log;
+mod pool;
 mod reply;
 mod server;
 pub mod stats;
@@ -43,7 +45,8 @@ use std::time::Duration;
 use tokio::sync::{watch, Notify, Semaphore};
 
 use crate::{Id, Router};
-use connect::{Address, HttpClient};
+use connect::Address;
+use pool::Pool;
 use stats::Stats;
 
 /// How a relay runs.
@@ -171,9 +174,7 @@ pub(crate) struct Shared {
     backends: Arc<Backends>,
     hooks: Arc<dyn Hooks>,
     /// Keep-alive connections to the backends and the side application.
-    client: HttpClient,
-    /// A new connection for each request (the one replacement of a closed kept-alive one).
-    fresh: HttpClient,
+    pool: Pool,
     stats: Arc<Stats>,
     log: Option<log::DecisionLog>,
     next_request: AtomicI64,
@@ -205,11 +206,9 @@ impl Relay {
         let log = config.decision_log.as_deref().map(log::DecisionLog::open).transpose()?;
         listener.set_nonblocking(true)?;
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let _entered = runtime.enter(); // the listener and hyper's client take its reactor
-        let (connect, idle) = (config.connect_timeout, config.upstream_idle_timeout);
+        let _entered = runtime.enter(); // the listener takes its reactor
         let shared = Arc::new(Shared {
-            client: connect::client(connect, idle, true),
-            fresh: connect::client(connect, idle, false),
+            pool: Pool::new(config.connect_timeout, config.upstream_idle_timeout),
             forwarding: Arc::new(Semaphore::new(config.max_concurrency.min(Semaphore::MAX_PERMITS))),
             connections: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
             config,
@@ -229,6 +228,7 @@ impl Relay {
         let thread = std::thread::Builder::new().name("kvroute-relay".into()).spawn(move || {
             runtime.block_on(run(Arc::clone(&sh), listener));
             runtime.shutdown_timeout(Duration::from_secs(1));
+            sh.pool.clear();
         })?;
         Ok(Relay { shared, thread: Some(thread) })
     }
@@ -268,6 +268,7 @@ impl Drop for Relay {
 /// the grace period); the runtime drops whatever is left.
 async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
     let mut stop = sh.stop.subscribe();
+    let mut sweep = tokio::time::interval(Duration::from_secs(1));
     let mut accept_errors = Throttled::default();
     let mut busy = Throttled::default();
     let grace = loop {
@@ -298,6 +299,7 @@ async fn run(sh: Arc<Shared>, listener: tokio::net::TcpListener) {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             },
+            _ = sweep.tick() => sh.pool.sweep(),
             _ = stop.changed() => {}
         }
     };

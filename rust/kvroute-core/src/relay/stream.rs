@@ -1,8 +1,10 @@
 //! A streamed answer on its way to the client: [`Relayed`], the body that hyper's server
-//! writes out frame by frame as the backend's body yields them, with nothing buffered in
-//! between, and that keeps the request's books as it goes.
+//! writes out as the backend's body yields it, with nothing held back, and that keeps the
+//! request's books as it goes.
 //!
-//! Each data frame is passed on as it came. The wait for the next one is bounded by the
+//! The backend's connection is driven from here (`super::pool`), and the data frames it has
+//! ready go out as one frame, so that what one read off the backend brought is one write to
+//! the client. The wait for the next one is bounded by the
 //! request timeout (restarted by every frame); a backend that fails or stalls mid-stream ends
 //! the client's stream with an SSE error event. Once the stream's `data: [DONE]` is in, the
 //! request is complete: the blocks its output completed are recorded in the router before the
@@ -20,12 +22,13 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use hyper::body::Incoming;
 use hyper::body::{Body, Frame};
 use tokio::time::Sleep;
 
 use super::forward::{output, At, Job, Output, MAX_OUTPUT};
+use super::pool::Upstream;
 use super::reply::error_json;
 use super::stats::ErrorKind;
 use super::usage::{usage, Tail};
@@ -34,6 +37,8 @@ use super::usage::{usage, Tail};
 pub(super) struct Relayed {
     job: Job,
     at: At,
+    /// The backend's connection (None once given back to the pool) and its answer's body.
+    up: Option<Box<Upstream>>,
     upstream: Incoming,
     /// The first data frame, read before the answer began, until it is sent.
     first: Option<Bytes>,
@@ -47,16 +52,28 @@ pub(super) struct Relayed {
     timeout: Duration,
     /// The stream has ended (cleanly, or with an error event): nothing more to send.
     ended: bool,
+    /// Data frames in from the backend, not yet sent (see [`Relayed::gather`]).
+    batch: Vec<Bytes>,
+    /// The backend's body has ended, or failed, after the data gathered with it.
+    upstream_done: bool,
+    upstream_failed: Option<String>,
 }
 
 impl Relayed {
     /// The stream whose first data frame `first` was read off `upstream`; `model`: keep the
     /// answer to record its output's blocks.
-    pub(super) fn new(job: Job, at: At, upstream: Incoming, first: Bytes, model: bool) -> Self {
+    pub(super) fn new(
+        job: Job,
+        at: At,
+        (up, upstream): (Box<Upstream>, Incoming),
+        first: Bytes,
+        model: bool,
+    ) -> Self {
         let timeout = job.sh.config.request_timeout;
         let mut r = Relayed {
             job,
             at,
+            up: Some(up),
             upstream,
             first: None,
             tail: Tail::default(),
@@ -66,6 +83,9 @@ impl Relayed {
             last: Instant::now(),
             timeout,
             ended: false,
+            batch: Vec::new(),
+            upstream_done: false,
+            upstream_failed: None,
         };
         match r.take(first) {
             Frame1::Send(data) => r.first = Some(data),
@@ -120,6 +140,63 @@ enum Frame1 {
 
 type Polled = Poll<Option<Result<Frame<Bytes>, hyper::Error>>>;
 
+/// What the backend's body had ready.
+enum Gathered {
+    /// Data, coalesced.
+    Data(Bytes),
+    /// Its end, with nothing before it.
+    End,
+    /// A failure, with nothing before it.
+    Failed(String),
+    /// Nothing yet.
+    Pending,
+}
+
+impl Relayed {
+    /// The data frames the backend's body has ready, as one: what one read off the backend
+    /// brought goes to the client in one write (the connection is driven here, so each frame
+    /// it decodes is taken at once, until its socket has nothing more).
+    fn gather(&mut self, cx: &mut Context<'_>) -> Gathered {
+        let Some(up) = self.up.as_mut() else { return Gathered::End };
+        loop {
+            match up.poll_frame(&mut self.upstream, cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        if !data.is_empty() {
+                            self.batch.push(data);
+                        }
+                    }
+                }
+                Poll::Ready(None) => {
+                    self.upstream_done = true;
+                    if let Some(up) = self.up.take() {
+                        self.job.sh.pool.release(up);
+                    }
+                    break;
+                }
+                Poll::Ready(Some(Err(e))) if self.batch.is_empty() => return Gathered::Failed(e.to_string()),
+                Poll::Ready(Some(Err(e))) => {
+                    self.upstream_failed = Some(e.to_string());
+                    break;
+                }
+                Poll::Pending if self.batch.is_empty() => return Gathered::Pending,
+                Poll::Pending => break,
+            }
+        }
+        match self.batch.len() {
+            0 => Gathered::End,
+            1 => Gathered::Data(self.batch.pop().unwrap_or_default()),
+            _ => {
+                let mut all = BytesMut::with_capacity(self.batch.iter().map(Bytes::len).sum());
+                for data in self.batch.drain(..) {
+                    all.extend_from_slice(&data);
+                }
+                Gathered::Data(all.freeze())
+            }
+        }
+    }
+}
+
 impl Body for Relayed {
     type Data = Bytes;
     type Error = hyper::Error;
@@ -139,28 +216,30 @@ impl Body for Relayed {
             if this.ended {
                 return Poll::Ready(None);
             }
-            match Pin::new(&mut this.upstream).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) if data.is_empty() => {}
-                    Ok(data) => match this.take(data) {
-                        Frame1::Send(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                        Frame1::Held => {}
-                    },
-                    Err(_trailers) => {}
+            let failed = this.upstream_failed.take();
+            let got = match failed {
+                Some(e) => Gathered::Failed(e),
+                None if this.upstream_done => Gathered::End,
+                None => this.gather(cx),
+            };
+            match got {
+                Gathered::Data(data) => match this.take(data) {
+                    Frame1::Send(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Frame1::Held => {}
                 },
-                Poll::Ready(None) => {
+                Gathered::End => {
                     this.complete();
                     return Poll::Ready(None);
                 }
-                Poll::Ready(Some(Err(_))) if this.tail.ended() => {
+                Gathered::Failed(_) if this.tail.ended() => {
                     this.complete();
                     return Poll::Ready(None);
                 }
-                Poll::Ready(Some(Err(e))) => {
+                Gathered::Failed(e) => {
                     let event = this.failed(false, &format!("failed: {e}"));
                     return Poll::Ready(Some(Ok(Frame::data(event))));
                 }
-                Poll::Pending => loop {
+                Gathered::Pending => loop {
                     std::task::ready!(this.timer.as_mut().poll(cx));
                     let due = this.last + this.timeout;
                     if Instant::now() >= due {
@@ -173,16 +252,19 @@ impl Body for Relayed {
         }
     }
 
+    /// The backend's body has ended and everything is sent: hyper ends the client's stream
+    /// with the last data (the books are kept when the body drops).
     fn is_end_stream(&self) -> bool {
-        self.ended && self.first.is_none() && self.reading.is_none()
+        (self.ended || self.upstream_done) && self.first.is_none() && self.reading.is_none()
     }
 }
 
 impl Drop for Relayed {
     /// The stream is dropped (sent, or the client hung up): the job drops with it.
     fn drop(&mut self) {
-        if !self.ended && self.tail.ended() {
-            self.complete(); // the client hung up after `[DONE]`: the request is complete
+        // Complete: the backend's body ended, or the client hung up after `[DONE]`.
+        if !self.ended && (self.upstream_done || self.tail.ended()) {
+            self.complete();
         }
     }
 }

@@ -12,10 +12,12 @@ const TAIL: usize = 2048;
 
 /// Count the usage numbers of an answer (`data`: its body, or a stream's tail).
 pub(super) fn usage(bs: &BackendStats, data: &[u8]) {
-    if let Some(n) = last_number(data, b"\"cached_tokens\"") {
+    let Some(at) = find(data, "\"usage\"", true) else { return };
+    let data = &data[at..];
+    if let Some(n) = last_number(data, "\"cached_tokens\"") {
         bs.reported.fetch_add(n, Ordering::Relaxed);
     }
-    if let Some(n) = last_number(data, b"\"prompt_tokens\"") {
+    if let Some(n) = last_number(data, "\"prompt_tokens\"") {
         bs.prompt.fetch_add(n, Ordering::Relaxed);
     }
 }
@@ -45,13 +47,26 @@ impl Tail {
     }
 }
 
+/// Where `key` is in `data`, the last place (`last`) or the first: std's substring search on
+/// the text (a stream's tail may begin inside a character: it is skipped), a byte-wise one
+/// where `data` is not UTF-8.
+pub(super) fn find(data: &[u8], key: &str, last: bool) -> Option<usize> {
+    let skip = data.iter().take(3).take_while(|&&b| b & 0xC0 == 0x80).count();
+    match std::str::from_utf8(&data[skip..]) {
+        Ok(text) if last => text.rfind(key).map(|at| at + skip),
+        Ok(text) => text.find(key).map(|at| at + skip),
+        Err(_) if last => data.windows(key.len()).rposition(|w| w == key.as_bytes()),
+        Err(_) => data.windows(key.len()).position(|w| w == key.as_bytes()),
+    }
+}
+
 /// The number of the last `key : digits` in `data` (JSON whitespace allowed around `:`).
-fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
+fn last_number(data: &[u8], key: &str) -> Option<u64> {
     let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
     let mut end = data.len();
-    while let Some(at) = data[..end].iter().rposition(|&c| c == key[0]) {
+    while let Some(at) = find(&data[..end], key, true) {
         end = at;
-        let Some(rest) = data[at..].strip_prefix(key) else { continue };
+        let rest = &data[at + key.len()..];
         let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
         let Some(rest) = rest[start..].strip_prefix(b":") else { continue };
         let start = rest.iter().position(|b| !ws(b)).unwrap_or(rest.len());
@@ -65,14 +80,21 @@ fn last_number(data: &[u8], key: &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{last_number, Tail};
+    use super::{find, last_number, Tail};
 
     #[test]
     fn usage_numbers_are_the_last_ones() {
         let data = br#"{"usage":{"prompt_tokens": 12,"prompt_tokens_details":{"cached_tokens" : 8}}} {"cached_tokens":9}"#;
-        assert_eq!(last_number(data, br#""cached_tokens""#), Some(9));
-        assert_eq!(last_number(data, br#""prompt_tokens""#), Some(12));
-        assert_eq!(last_number(b"\"cached_tokens\": x", br#""cached_tokens""#), None);
+        assert_eq!(last_number(data, r#""cached_tokens""#), Some(9));
+        assert_eq!(last_number(data, r#""prompt_tokens""#), Some(12));
+        assert_eq!(last_number(b"\"cached_tokens\": x", r#""cached_tokens""#), None);
+        // A tail cut inside a character, and bytes that are not UTF-8, are searched too.
+        let cut = "é\"cached_tokens\": 3".as_bytes();
+        assert_eq!(last_number(&cut[1..], r#""cached_tokens""#), Some(3));
+        let junk = b"\xff\"cached_tokens\": 4 \xff";
+        assert_eq!(last_number(junk, r#""cached_tokens""#), Some(4));
+        assert_eq!(find(b"ab ab", "ab", true), Some(3));
+        assert_eq!(find(b"ab ab", "ab", false), Some(0));
     }
 
     #[test]
