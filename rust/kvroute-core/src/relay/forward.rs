@@ -1,4 +1,4 @@
-//! One generation request: key it, route it, send it with hyper's pooled client, answer it,
+//! One generation request: key it, route it, send it on a pooled hyper connection, answer it,
 //! and close the router's lifecycle for it whatever happens (the rules in `docs/proxy.md`).
 //!
 //! `route` when the request is sent, `first_token` at the first streamed body bytes, `finish`

@@ -9,9 +9,9 @@
 //! backend and the write to the client are one task's work, and the events one read brought
 //! are written together ([`super::stream`]).
 //!
-//! [`Pool::acquire`] hands out the newest idle connection to an address that is still open
-//! (an idle connection is polled once, which reads the end a backend sent), or connects
-//! (with a time limit). [`Pool::release`] takes back a connection whose answer was read to
+//! [`Pool::exchange`] sends a request on the newest idle connection to its address that is
+//! still open (an idle connection is polled once, which reads the end a backend sent), or on
+//! a new one (connected with a time limit). [`Pool::release`] takes back a connection whose answer was read to
 //! its end. A connection dropped anywhere else is closed, which is how a request is cancelled
 //! upstream (vLLM aborts a request whose connection closes). Idle connections are closed after
 //! the idle timeout (by [`Pool::sweep`], or when next met).

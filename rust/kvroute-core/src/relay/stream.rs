@@ -4,15 +4,15 @@
 //!
 //! The backend's connection is driven from here (`super::pool`), and the data frames it has
 //! ready go out as one frame, so that what one read off the backend brought is one write to
-//! the client. The wait for the next one is bounded by the
-//! request timeout (restarted by every frame); a backend that fails or stalls mid-stream ends
-//! the client's stream with an SSE error event. Once the stream's `data: [DONE]` is in, the
-//! request is complete: the blocks its output completed are recorded in the router before the
-//! client sees the event (when modelled), and a client or backend that goes away after it
-//! changes nothing but the connections. A body dropped before that (the client hung up;
-//! hyper drops the body) counts a client disconnect and drops the upstream body, which
-//! closes the upstream connection (vLLM then aborts the request). Whatever way it ends, the
-//! request's [`Job`] drops with it and finishes the request in the router.
+//! the client. The wait for the next bytes is bounded by the request timeout (restarted by
+//! every frame); a backend that fails or stalls mid-stream ends the client's stream with an
+//! SSE error event. Once the stream's `data: [DONE]` is in, the request is complete: the
+//! blocks its output completed are recorded in the router before the client sees the event
+//! (when modelled), and a client or backend that goes away after it changes nothing but the
+//! connections. A body dropped before that (the client hung up; hyper drops the body) counts
+//! a client disconnect and closes the backend's connection (vLLM then aborts the request).
+//! A connection whose answer was read to its end goes back to the pool. Whatever way the
+//! stream ends, the request's [`Job`] drops with it and finishes the request in the router.
 //!
 //! O(bytes) per stream (the tail kept for the usage is bounded; the output kept for the
 //! router is at most 16 MiB); one body per request, polled by its connection's task.
