@@ -169,6 +169,15 @@ def test_chunked_and_expect_continue_requests(proxied: tuple[str, Backend, Proxy
         assert r.response()[0].status == 100
         sock.sendall(data)
         assert r.response()[0].status == 200
+    # Transfer-Encoding wins over a Content-Length beside it (dropped, RFC 9112 6.3), and the
+    # connection closes after the answer.
+    with connect(url) as sock:
+        r = Reader(sock)
+        both = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+        both += b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n"
+        sock.sendall(both)
+        assert r.response()[0].status == 200
+        assert backend.bodies[-1] == data
 
 
 def test_http10_client_gets_a_close_delimited_stream(proxied: tuple[str, Backend, Proxy]) -> None:
@@ -193,6 +202,8 @@ UNREADABLE = [
     (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400, 0),
     (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\nb\r\n\r\n", 400, 0),
     (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, 1),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501, 1),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 400, 0),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 200000\r\n\r\n", 413, 1),
     (
         b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"

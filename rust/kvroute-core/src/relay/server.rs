@@ -7,8 +7,9 @@
 //! malformed head or header value (a bare CR or a NUL in it, 400), a head over 64 KiB (431),
 //! another HTTP version (505), a request head not complete within the header-read deadline,
 //! which also bounds an idle kept-alive connection. The relay refuses, with an OpenAI-style
-//! JSON error and a closed connection: a body over the limit (413, before reading it when
-//! announced) and a body that cannot be read (a malformed chunk, 400).
+//! JSON error and a closed connection: a transfer coding besides `chunked` (501), a body over
+//! the limit (413, before reading it when announced) and a body that cannot be read (a
+//! malformed chunk, 400).
 //!
 //! O(bytes) per request; one task per connection.
 
@@ -154,12 +155,27 @@ fn closing(mut r: Response<Out>) -> Response<Out> {
     r
 }
 
+/// A framing hyper reads but the relay refuses (501): transfer codings besides `chunked`,
+/// which the relay does not decode. (With `Content-Length` beside `Transfer-Encoding`, hyper
+/// has dropped the length, as RFC 9112 §6.3 asks.)
+fn framing(headers: &HeaderMap) -> Option<Response<Out>> {
+    let mut codings = headers.get_all(TRANSFER_ENCODING).iter();
+    let chunked_only = codings.all(|v| v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"chunked"));
+    (!chunked_only).then(|| {
+        let message = "transfer codings other than chunked are not supported";
+        closing(error(501, message, "not_supported"))
+    })
+}
+
 async fn handle(sh: Arc<Shared>, req: hyper::Request<Incoming>) -> Response<Out> {
     let t0 = Instant::now();
     let (mut head, body) = req.into_parts();
     let max = sh.config.max_body;
     let too_big =
         || closing(error(413, &format!("the request body exceeds {max} bytes"), "invalid_request_error"));
+    if let Some(refusal) = framing(&head.headers) {
+        return refusal;
+    }
     let announced = head.headers.get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if announced.is_some_and(|n| n > max as u64) {
         return too_big();
