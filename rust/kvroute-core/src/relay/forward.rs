@@ -22,9 +22,9 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper::header::{HeaderMap, HeaderName, HeaderValue, HOST};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
@@ -307,14 +307,7 @@ async fn send(sh: &Shared, req: &Request, at: &At) -> Result<(Box<Upstream>, Res
         .map_err(|e| Fail::failed(i, &format!("has no valid URI: {e}")))?;
     let host = HeaderValue::from_str(&b.host)
         .map_err(|_| Fail::failed(i, "has a host name that is not a header value"))?;
-    let make = || {
-        let mut up = hyper::Request::new(Full::new(req.body.clone()));
-        *up.method_mut() = req.head.method.clone();
-        *up.uri_mut() = uri.clone();
-        *up.headers_mut() = req.head.headers.clone();
-        up.headers_mut().insert(HOST, host.clone());
-        up
-    };
+    let make = || req.upstream(&uri, &host);
     sh.pool.exchange(&b.address, sh.config.request_timeout, make).await.map_err(|e| fail(i, e))
 }
 

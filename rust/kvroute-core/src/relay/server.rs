@@ -98,6 +98,16 @@ impl Request {
         self.head.uri.path_and_query().map_or("/", |p| p.as_str())
     }
 
+    /// This request as sent upstream: to `uri` (origin form), with `host` as its `Host`.
+    pub fn upstream(&self, uri: &hyper::Uri, host: &HeaderValue) -> hyper::Request<Full<Bytes>> {
+        let mut up = hyper::Request::new(Full::new(self.body.clone()));
+        *up.method_mut() = self.head.method.clone();
+        *up.uri_mut() = uri.clone();
+        *up.headers_mut() = self.head.headers.clone();
+        up.headers_mut().insert(HOST, host.clone());
+        up
+    }
+
     /// The session header's value (`lower_name`), its bytes read as latin-1.
     pub fn session_header(&self, lower_name: &str) -> Option<String> {
         let v = self.head.headers.get(lower_name)?;
@@ -208,14 +218,8 @@ async fn to_side(sh: &Shared, req: Request) -> Response<Out> {
         Ok(uri) => uri,
         Err(e) => return failed(format!("{e}")),
     };
-    let make = || {
-        let mut up = hyper::Request::new(Full::new(req.body.clone()));
-        *up.method_mut() = req.head.method.clone();
-        *up.uri_mut() = uri.clone();
-        *up.headers_mut() = req.head.headers.clone();
-        up.headers_mut().insert(HOST, HeaderValue::from_static("kvroute"));
-        up
-    };
+    let host = HeaderValue::from_static("kvroute");
+    let make = || req.upstream(&uri, &host);
     let timeout = sh.config.request_timeout;
     let got = async {
         let (mut up, answer) = sh.pool.exchange(&sh.config.side, timeout, make).await?;
