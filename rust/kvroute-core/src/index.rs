@@ -49,6 +49,11 @@ impl IndexValue for u32 {
     const VACANT: Self = u32::MAX;
 }
 
+/// A block key or a deadline; `u64::MAX` is reserved.
+impl IndexValue for u64 {
+    const VACANT: Self = u64::MAX;
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Bucket<V> {
     key: u64,
@@ -81,6 +86,16 @@ impl<V: IndexValue> KeyIndex<V> {
     /// Number of keys.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes of its bucket table.
+    pub fn memory_bytes(&self) -> usize {
+        self.buckets.capacity() * std::mem::size_of::<Bucket<V>>()
+    }
+
+    /// Every `(key, value)`, in table order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
+        self.buckets.iter().filter(|b| b.entry != V::VACANT).map(|b| (b.key, b.entry))
     }
 
     fn mask(&self) -> usize {

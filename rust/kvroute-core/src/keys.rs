@@ -143,7 +143,7 @@ fn check_range<T: TokenId>(tokens: &[T]) -> Result<(), TokenOutOfRange> {
 }
 
 /// XXH3 of one block's token ids as little-endian `u32` bytes, seeded with the previous key.
-fn hash_block(block: &[u32], prev: u64) -> u64 {
+pub(crate) fn hash_block(block: &[u32], prev: u64) -> u64 {
     if cfg!(target_endian = "little") {
         // SAFETY: a `u32` slice is valid as bytes of four times its length; on a
         // little-endian target those bytes are exactly the little-endian encoding.

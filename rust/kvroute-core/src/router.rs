@@ -8,6 +8,7 @@
 //! synchronised: wrap it in a lock to share it between threads (the Python binding does).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 
@@ -15,6 +16,7 @@ use crate::background::CacheCell;
 pub use crate::background::{TouchJob, TouchSink};
 use crate::cache::{ClusterCache, PrefixWalk};
 use crate::error::{Error, Result};
+use crate::events::{Applied, EventBatch, EventView, ViewReport};
 use crate::keys::hit_tokens;
 use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
 use crate::policy::{Policy, PolicyParams};
@@ -24,6 +26,10 @@ use crate::sessions::Affinity;
 /// Largest accepted `input_length` (2^40 tokens): far above any real prompt, and small enough
 /// that the per-instance sums cannot overflow with fewer than 2^23 requests in flight.
 pub const MAX_INPUT_LENGTH: u64 = 1 << 40;
+
+/// Default of [`RouterConfig::pending_ttl`]: long enough for a prefill of a long prompt on a
+/// busy engine to store its blocks.
+pub const DEFAULT_PENDING_TTL: Duration = Duration::from_secs(10);
 
 /// A request or session id: an integer or a string, never equal to each other.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -88,6 +94,38 @@ impl CacheRule {
     }
 }
 
+/// What the router believes each instance's cache holds (docs/kv-events.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheView {
+    /// The router's own model: an LRU per instance fed by its routing decisions.
+    #[default]
+    Estimate,
+    /// The engines' KV-cache events wherever they are applied and whole; the estimate for the
+    /// other instances.
+    Events,
+}
+
+impl CacheView {
+    /// The view named `name` (`"estimate"` or `"events"`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "estimate" => Ok(Self::Estimate),
+            "events" => Ok(Self::Events),
+            _ => Err(Error::InvalidArgument(format!(
+                "cache_view must be 'estimate' or 'events', got {name:?}"
+            ))),
+        }
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Estimate => "estimate",
+            Self::Events => "events",
+        }
+    }
+}
+
 /// How a router is set up.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -103,6 +141,11 @@ pub struct RouterConfig {
     pub seed: u64,
     /// Policy parameters.
     pub params: PolicyParams,
+    /// The cache view routing reads.
+    pub cache_view: CacheView,
+    /// With the events view: how long a routed request's blocks count as held by the instance
+    /// chosen before an event confirms them (zero: not at all).
+    pub pending_ttl: Duration,
 }
 
 impl Default for RouterConfig {
@@ -114,6 +157,8 @@ impl Default for RouterConfig {
             max_sessions: None,
             seed: 0,
             params: PolicyParams::default(),
+            cache_view: CacheView::Estimate,
+            pending_ttl: DEFAULT_PENDING_TTL,
         }
     }
 }
@@ -159,6 +204,10 @@ pub struct Router {
     affinity: Affinity,
     state: PickState,
     walk: PrefixWalk,
+    /// The events view (with [`CacheView::Events`]) and its walk's and the merged matches.
+    events: Option<EventView>,
+    event_matched: Vec<u32>,
+    merged: Vec<u32>,
     /// Σ num_requests and the number of instances, over the available instances (kept up to
     /// date, so `unified`'s gate reads the average in O(1)).
     available_totals: (u64, u64),
@@ -184,6 +233,10 @@ impl Router {
             affinity: Affinity::new(config.max_sessions),
             state: PickState { rr: 0, rng: SplitMix64::new(config.seed), tied: Vec::new() },
             walk: PrefixWalk::default(),
+            events: (config.cache_view == CacheView::Events)
+                .then(|| EventView::new(num_instances, config.block_size, config.pending_ttl)),
+            event_matched: Vec::new(),
+            merged: Vec::new(),
             available_totals: (0, num_instances as u64),
             config,
         })
@@ -229,15 +282,31 @@ impl Router {
         let (lookup, stored) =
             self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size);
         let cache = self.cache.lock();
+        let events = self.events.as_ref();
+        let on_events = |i: usize| events.is_some_and(|e| e.uses_events(i));
         if self.policy.scores_cache() {
-            cache.walk(&keys[..lookup], &mut self.walk);
+            let every = events.is_some_and(|_| (0..self.loads.len()).all(on_events));
+            if every {
+                self.walk.clear();
+            } else {
+                cache.walk(&keys[..lookup], &mut self.walk);
+            }
+            if let Some(e) = events {
+                e.walk(&keys[..lookup], &mut self.event_matched);
+                merge(&mut self.merged, &self.event_matched, self.walk.matched(), on_events);
+            }
         } else {
             self.walk.clear();
+            self.merged.clear();
         }
+        let matched: &[u32] = if events.is_some() { &self.merged } else { self.walk.matched() };
         let input = PickInput {
             loads: &self.loads,
-            matched: self.walk.matched(),
-            cached_blocks: &|i| cache.cached_blocks(i),
+            matched,
+            cached_blocks: &|i| match events {
+                Some(e) if e.uses_events(i) => e.cached_blocks(i),
+                _ => cache.cached_blocks(i),
+            },
             input_length,
             block_size: self.config.block_size,
             affinity,
@@ -246,9 +315,12 @@ impl Router {
         let saved = (self.state.rr, self.state.rng.clone());
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
             .ok_or(Error::NoInstanceAvailable)?;
-        let matched = match self.walk.matched().get(instance) {
+        let matched = match matched.get(instance) {
             Some(&m) => m as usize,
-            None => cache.matched_blocks(instance, &keys[..lookup]),
+            None => match events {
+                Some(e) if e.uses_events(instance) => e.matched_blocks(instance, &keys[..lookup]),
+                _ => cache.matched_blocks(instance, &keys[..lookup]),
+            },
         };
         drop(cache);
         let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
@@ -268,6 +340,9 @@ impl Router {
         load.ongoing_tokens = ongoing;
         load.pending_prefill_tokens = pending;
         self.cache.touch(instance, &keys[..stored], &mut self.walk);
+        if let Some(e) = self.events.as_mut().filter(|e| e.uses_events(instance)) {
+            e.predict(instance, &keys[..stored]);
+        }
         if let (Some(s), true) = (session, self.uses_affinity()) {
             self.affinity.set(s, instance);
         }
@@ -302,6 +377,9 @@ impl Router {
         };
         self.walk.clear();
         self.cache.touch(r.instance, keys, &mut self.walk);
+        if let Some(e) = self.events.as_mut().filter(|e| e.uses_events(r.instance)) {
+            e.predict(r.instance, keys);
+        }
         true
     }
 
@@ -328,18 +406,25 @@ impl Router {
     pub fn estimate_cache_hit(&self, instance: usize, keys: &[u64], input_length: u64) -> Result<u64> {
         self.check_instance(instance as i64)?;
         let keys = self.lookup(keys, input_length);
-        let matched = self.cache.lock().matched_blocks(instance, keys) as u64;
-        Ok(hit_tokens(matched, self.config.block_size, input_length))
+        let matched = match &self.events {
+            Some(e) if e.uses_events(instance) => e.matched_blocks(instance, keys),
+            _ => self.cache.lock().matched_blocks(instance, keys),
+        };
+        Ok(hit_tokens(matched as u64, self.config.block_size, input_length))
     }
 
     /// Estimated cached tokens on every instance, from one index walk; reads only.
     pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
+        let keys = self.lookup(keys, input_length);
         let mut walk = PrefixWalk::default();
-        self.cache.lock().walk(self.lookup(keys, input_length), &mut walk);
-        walk.matched()
-            .iter()
-            .map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length))
-            .collect()
+        self.cache.lock().walk(keys, &mut walk);
+        let mut merged = walk.matched().to_vec();
+        if let Some(e) = &self.events {
+            let mut from_events = Vec::new();
+            e.walk(keys, &mut from_events);
+            merge(&mut merged, &from_events, walk.matched(), |i| e.uses_events(i));
+        }
+        merged.iter().map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length)).collect()
     }
 
     /// A snapshot of every instance.
@@ -348,7 +433,13 @@ impl Router {
         self.loads
             .iter()
             .enumerate()
-            .map(|(i, l)| InstanceState { load: l.clone(), cached_blocks: cache.cached_blocks(i) })
+            .map(|(i, l)| InstanceState {
+                load: l.clone(),
+                cached_blocks: match &self.events {
+                    Some(e) if e.uses_events(i) => e.cached_blocks(i),
+                    _ => cache.cached_blocks(i),
+                },
+            })
             .collect()
     }
 
@@ -380,6 +471,9 @@ impl Router {
     pub fn add_instance(&mut self) -> usize {
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
         self.available_totals.1 += 1;
+        if let Some(e) = &mut self.events {
+            e.add_instance();
+        }
         self.cache.lock().add_instance()
     }
 
@@ -413,6 +507,51 @@ impl Router {
         Ok(self.cache.lock().keys_mru(self.check_instance(instance)?))
     }
 
+    /// Apply one batch of `instance`'s KV-cache events (`seq`: its sequence number; `replayed`:
+    /// it came from the engine's replay socket). Needs [`CacheView::Events`].
+    pub fn apply_kv_events(
+        &mut self,
+        instance: i64,
+        seq: u64,
+        batch: &EventBatch,
+        replayed: bool,
+    ) -> Result<Applied> {
+        let i = self.check_instance(instance)?;
+        Ok(self.events_mut()?.apply(i, seq, batch, replayed))
+    }
+
+    /// `instance`'s `rank` missed batches that cannot be replayed: its view turns degraded
+    /// and takes the next batch as a new start (docs/kv-events.md).
+    pub fn kv_resync(&mut self, instance: i64, rank: u32, reason: &str) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        self.events_mut()?.resync(i, rank, reason.to_string());
+        Ok(())
+    }
+
+    /// `instance`'s engine restarted: drop its events view until its sequence 0 comes.
+    pub fn kv_reset(&mut self, instance: i64) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        self.events_mut()?.reset(i);
+        Ok(())
+    }
+
+    /// `instance`'s events view, or `None` with the estimate view.
+    pub fn kv_view(&self, instance: i64) -> Result<Option<ViewReport>> {
+        let i = self.check_instance(instance)?;
+        Ok(self.events.as_ref().map(|e| e.report(i)))
+    }
+
+    /// The events view, if the router has one (for inspection and memory accounting).
+    pub fn event_view(&self) -> Option<&EventView> {
+        self.events.as_ref()
+    }
+
+    fn events_mut(&mut self) -> Result<&mut EventView> {
+        self.events
+            .as_mut()
+            .ok_or_else(|| Error::InvalidArgument("KV events need a router with cache_view='events'".into()))
+    }
+
     /// The keys of a request that may hit, by the cache rule.
     fn lookup<'k>(&self, keys: &'k [u64], input_length: u64) -> &'k [u64] {
         &keys[..self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size).0]
@@ -428,6 +567,19 @@ impl Router {
             .filter(|&i| i < self.loads.len())
             .ok_or(Error::UnknownInstance { index: instance, count: self.loads.len() })
     }
+}
+
+/// Per instance, the events view's match where routing reads it, else the estimate's
+/// (`estimate` may be empty when every instance reads the events view).
+fn merge(out: &mut Vec<u32>, events: &[u32], estimate: &[u32], on_events: impl Fn(usize) -> bool) {
+    out.clear();
+    out.extend(events.iter().enumerate().map(|(i, &m)| {
+        if on_events(i) {
+            m
+        } else {
+            estimate.get(i).copied().unwrap_or(0)
+        }
+    }));
 }
 
 #[cfg(test)]

@@ -117,6 +117,7 @@ pub fn run(
             max_sessions: None,
             seed: cfg.seed,
             params: cfg.params.clone(),
+            ..RouterConfig::default()
         },
     )?;
     let engines: Vec<Mutex<Engine<'_>>> = (0..cfg.instances).map(|_| Mutex::new(engine.clone())).collect();

@@ -1,0 +1,248 @@
+//! [`EventView`]: the router's events view of every instance: its ranks' views, the cluster
+//! index they feed, and the pending blocks of routed requests.
+//!
+//! A routed request's blocks count as held by the instance chosen for `pending_ttl` from the
+//! moment it is routed (its prefill has not stored them yet), unless an event confirms them
+//! sooner; so a burst of requests with one new prefix does not scatter before the first
+//! events arrive. A pending block that no event confirms in time is forgotten.
+//!
+//! `apply` is O(blocks of the batch × holders); `predict` O(keys) amortised (each mark expires
+//! once); `walk` as the index's. Not synchronised.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::engine::{Outcome, RankReport, RankView, ViewState};
+use super::index::ClusterIndex;
+use super::EventBatch;
+use crate::index::KeyIndex;
+
+/// What applying one batch did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    /// Applied, skipped as a duplicate, or refused for a gap.
+    pub outcome: Outcome,
+    /// The batch revealed a restart (its sequence went backwards): the rank was reset first.
+    pub reset: bool,
+    /// The rank's view turned degraded while applying it.
+    pub degraded: bool,
+}
+
+/// One instance's events view.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ViewReport {
+    /// Whether routing reads the events view for this instance (else the estimate).
+    pub uses_events: bool,
+    /// Its ranks, by rank.
+    pub ranks: Vec<RankReport>,
+    /// Distinct keys it holds in the events view, pending ones included.
+    pub blocks: usize,
+    /// Of those, keys pending (routed there, not yet confirmed by an event).
+    pub pending: usize,
+}
+
+/// Pending memberships: per instance, key -> deadline (ms since `epoch`), and their expiry
+/// queue in deadline order.
+#[derive(Debug, Clone)]
+pub(crate) struct Pending {
+    ttl_ms: u64,
+    epoch: Instant,
+    marks: Vec<KeyIndex<u64>>,
+    queue: VecDeque<(u64, u32, u64)>,
+}
+
+impl Pending {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// An event stored `key` on `inst`: if it was pending, its membership is the event's
+    /// now (returns true: the caller adds none).
+    pub fn confirm(&mut self, inst: usize, key: u64) -> bool {
+        self.marks[inst].len() > 0 && self.marks[inst].remove(key)
+    }
+
+    fn predict(&mut self, inst: usize, keys: &[u64], ix: &mut ClusterIndex) {
+        if self.ttl_ms == 0 {
+            return;
+        }
+        let deadline = self.now_ms() + self.ttl_ms;
+        for &key in keys {
+            if let Some(d) = self.marks[inst].get_mut(key) {
+                *d = deadline;
+            } else if ix.holds(key, inst) {
+                continue; // confirmed by an event
+            } else {
+                self.marks[inst].insert(key, deadline);
+                ix.add(key, inst);
+            }
+            self.queue.push_back((deadline, inst as u32, key));
+        }
+    }
+
+    fn expire(&mut self, ix: &mut ClusterIndex) {
+        let now = self.now_ms();
+        while let Some(&(deadline, inst, key)) = self.queue.front() {
+            if deadline > now {
+                break;
+            }
+            self.queue.pop_front();
+            let marks = &mut self.marks[inst as usize];
+            if marks.get(key) == Some(deadline) {
+                marks.remove(key);
+                ix.remove(key, inst as usize);
+            }
+        }
+    }
+
+    fn clear(&mut self, inst: usize, ix: &mut ClusterIndex) {
+        for (key, _) in self.marks[inst].iter() {
+            ix.remove(key, inst);
+        }
+        self.marks[inst] = KeyIndex::default();
+    }
+}
+
+/// The events view of a cluster (see the module doc).
+#[derive(Debug, Clone)]
+pub struct EventView {
+    index: ClusterIndex,
+    /// Per instance, its ranks' views, sorted by rank.
+    engines: Vec<Vec<RankView>>,
+    /// Per instance, whether routing reads this view (kept with the ranks' states).
+    uses: Vec<bool>,
+    pending: Pending,
+    block_size: u64,
+}
+
+impl EventView {
+    /// A view of `instances` instances with nothing applied, for keys of `block_size` tokens;
+    /// routed blocks stay pending for `pending_ttl` (zero: no predictions).
+    pub fn new(instances: usize, block_size: u64, pending_ttl: Duration) -> Self {
+        let pending = Pending {
+            ttl_ms: pending_ttl.as_millis() as u64,
+            epoch: Instant::now(),
+            marks: Vec::new(),
+            queue: VecDeque::new(),
+        };
+        let mut view = Self {
+            index: ClusterIndex::default(),
+            engines: Vec::new(),
+            uses: Vec::new(),
+            pending,
+            block_size,
+        };
+        (0..instances).for_each(|_| view.add_instance());
+        view
+    }
+
+    /// Add an instance with nothing applied.
+    pub fn add_instance(&mut self) {
+        self.engines.push(Vec::new());
+        self.uses.push(false);
+        self.pending.marks.push(KeyIndex::default());
+        self.index.grow_to(self.engines.len());
+    }
+
+    /// Whether routing reads this view for `inst`: it has events and every rank is complete.
+    pub fn uses_events(&self, inst: usize) -> bool {
+        self.uses[inst]
+    }
+
+    fn refresh(&mut self, inst: usize) {
+        let ranks = &self.engines[inst];
+        self.uses[inst] = !ranks.is_empty() && ranks.iter().all(|r| *r.state() == ViewState::Complete);
+    }
+
+    /// Apply batch `seq` of `inst` (from its rank's PUB socket, or `replayed` from its replay
+    /// socket). Batches apply in sequence order per rank; see [`Outcome`].
+    pub fn apply(&mut self, inst: usize, seq: u64, batch: &EventBatch, replayed: bool) -> Applied {
+        self.pending.expire(&mut self.index);
+        let block_size = self.block_size;
+        let Self { index, engines, pending, .. } = self;
+        let view = rank_view(&mut engines[inst], batch.rank);
+        let resets = view.report.resets;
+        let applied = match view.check(seq, replayed, inst, index) {
+            Some(outcome) => Applied { outcome, reset: view.report.resets > resets, degraded: false },
+            None => {
+                let degraded = view.apply(seq, batch, replayed, (inst, block_size, index, pending));
+                Applied { outcome: Outcome::Applied, reset: view.report.resets > resets, degraded }
+            }
+        };
+        self.refresh(inst);
+        applied
+    }
+
+    /// The batches `inst`'s `rank` missed cannot be replayed: degrade its view and take its
+    /// next batch as a new start.
+    pub fn resync(&mut self, inst: usize, rank: u32, reason: String) {
+        rank_view(&mut self.engines[inst], rank).resync(reason, inst, &mut self.index);
+        self.refresh(inst);
+    }
+
+    /// `inst`'s engine restarted (or was replaced): drop its view and pending blocks, and wait
+    /// for its sequence 0.
+    pub fn reset(&mut self, inst: usize) {
+        let Self { index, engines, pending, .. } = self;
+        for view in &mut engines[inst] {
+            view.reset(inst, index);
+        }
+        pending.clear(inst, index);
+        self.refresh(inst);
+    }
+
+    /// Leading keys of `keys` each instance holds in this view (pending ones included).
+    pub fn walk(&self, keys: &[u64], matched: &mut Vec<u32>) {
+        self.index.walk(keys, matched);
+    }
+
+    /// Leading keys of `keys` held by `inst` in this view. O(matched × holders).
+    pub fn matched_blocks(&self, inst: usize, keys: &[u64]) -> usize {
+        keys.iter().take_while(|&&k| self.index.holds(k, inst)).count()
+    }
+
+    /// Distinct keys held anywhere in this view.
+    pub fn distinct_keys(&self) -> usize {
+        self.index.distinct_keys()
+    }
+
+    /// Count `keys` (a routed request's stored blocks) as pending on `inst`.
+    pub fn predict(&mut self, inst: usize, keys: &[u64]) {
+        self.pending.expire(&mut self.index);
+        self.pending.predict(inst, keys, &mut self.index);
+    }
+
+    /// Distinct keys `inst` holds in this view.
+    pub fn cached_blocks(&self, inst: usize) -> usize {
+        self.index.held(inst)
+    }
+
+    /// `inst`'s view: its ranks, blocks and whether routing reads it.
+    pub fn report(&self, inst: usize) -> ViewReport {
+        ViewReport {
+            uses_events: self.uses_events(inst),
+            ranks: self.engines[inst].iter().map(RankView::snapshot).collect(),
+            blocks: self.index.held(inst),
+            pending: self.pending.marks[inst].len(),
+        }
+    }
+
+    /// Bytes of the view's tables: the cluster index, every rank's hash map, pending marks.
+    pub fn memory_bytes(&self) -> usize {
+        let ranks: usize = self.engines.iter().flatten().map(|r| r.snapshot().memory_bytes).sum();
+        let marks: usize = self.pending.marks.iter().map(KeyIndex::memory_bytes).sum();
+        self.index.memory_bytes() + ranks + marks + self.pending.queue.capacity() * 24
+    }
+}
+
+/// The view of `rank` among an instance's ranks (sorted by rank), added if new.
+fn rank_view(ranks: &mut Vec<RankView>, rank: u32) -> &mut RankView {
+    let at = match ranks.binary_search_by_key(&rank, |r| r.report.rank) {
+        Ok(at) => at,
+        Err(at) => {
+            ranks.insert(at, RankView::new(rank));
+            at
+        }
+    };
+    &mut ranks[at]
+}
