@@ -72,6 +72,38 @@ def sequence_keys(
 def prompt_ids(body: bytes) -> tuple[npt.NDArray[np.uint32], int, int] | None: ...
 
 @final
+class KvApplied(TypedDict):
+    outcome: Literal["applied", "duplicate", "gap"]
+    expected: int | None
+    reset: bool
+    degraded: bool
+
+class KvRankView(TypedDict):
+    rank: int
+    state: Literal["awaiting", "complete", "degraded"]
+    reason: str | None
+    last_seq: int | None
+    batches: int
+    replayed_batches: int
+    events: int
+    blocks_stored: int
+    blocks_removed: int
+    blocks_ignored: int
+    unknown_removals: int
+    unkeyable_blocks: int
+    gaps: int
+    resets: int
+    blocks_indexed: int
+    last_ts: float
+    lag_s: float
+    memory_bytes: int
+
+class KvView(TypedDict):
+    uses_events: bool
+    blocks: int
+    pending: int
+    ranks: list[KvRankView]
+
 class Router:
     def __new__(
         cls,
@@ -90,6 +122,8 @@ class Router:
         balance_rel: float = 1.1,
         overlap_weight: float = 1.0,
         temperature: float = 0.0,
+        cache_view: Literal["estimate", "events"] = "estimate",
+        pending_ttl_s: float = 10.0,
     ) -> Router: ...
     def route(
         self,
@@ -116,6 +150,17 @@ class Router:
     def cached_keys(self, instance: int) -> list[int]: ...
     def clear_cache(self, instance: int) -> None: ...
     def extend(self, request_id: RequestId, hash_ids: HashIds) -> bool: ...
+    def set_cache_capacity(self, instance: int, capacity: int | None) -> None: ...
+    def apply_kv_events(
+        self, instance: int, seq: int, batch: bytes | list[Any], *, replayed: bool = False
+    ) -> KvApplied: ...
+    def kv_resync(self, instance: int, rank: int, reason: str) -> None: ...
+    def kv_reset(self, instance: int) -> None: ...
+    def kv_view(self, instance: int) -> KvView | None: ...
+    @property
+    def kv_memory_bytes(self) -> int: ...
+    @property
+    def cache_view(self) -> str: ...
     @property
     def policy(self) -> str: ...
     @property

@@ -63,6 +63,8 @@ pub struct ClusterCache {
     many: Vec<Vec<(u32, u32)>>,
     free: Vec<u32>,
     lrus: Vec<Lru>,
+    /// Keys each instance holds at most (`None`: unbounded), and the default for new ones.
+    capacities: Vec<Option<usize>>,
     capacity: Option<usize>,
 }
 
@@ -78,7 +80,28 @@ impl ClusterCache {
     pub fn add_instance(&mut self) -> usize {
         assert!(self.lrus.len() < VACANT as usize, "more than 2^32 - 2 instances");
         self.lrus.push(Lru::new(self.capacity.is_some()));
+        self.capacities.push(self.capacity);
         self.lrus.len() - 1
+    }
+
+    /// Bound `inst`'s cache to `capacity` keys (`None`: unbounded), evicting its least
+    /// recently touched keys beyond it. O(its keys × log) when its LRU must be rebuilt (an
+    /// unbounded one keeps no eviction order), else O(evicted).
+    pub fn set_capacity(&mut self, inst: usize, capacity: Option<usize>) {
+        self.capacities[inst] = capacity;
+        if capacity.is_some() && !self.lrus[inst].evicts() {
+            let keys = self.lrus[inst].keys_mru();
+            self.clear_instance(inst);
+            self.lrus[inst] = Lru::new(true);
+            for &key in keys.iter().rev() {
+                self.touch(inst, key);
+            }
+        }
+        if let Some(cap) = capacity {
+            while self.lrus[inst].len() > cap {
+                self.evict_one(inst);
+            }
+        }
     }
 
     /// Number of keys resident on `inst`.
@@ -152,7 +175,7 @@ impl ClusterCache {
                 Some(slot) if lru.holds(slot, key) => lru.move_to_front(slot),
                 _ => self.touch(inst, key),
             }
-            if let Some(cap) = self.capacity {
+            if let Some(cap) = self.capacities[inst] {
                 while self.lrus[inst].len() > cap {
                     self.evict_one(inst);
                 }
@@ -293,6 +316,23 @@ mod tests {
         c.walk(&[1, 2], &mut w);
         assert_eq!(w.matched(), vec![0, 1]);
         assert_eq!(c.distinct_keys(), 4); // 1, 5, 6, 8
+    }
+
+    #[test]
+    fn a_capacity_set_later_evicts_the_least_recent_keys() {
+        let none = PrefixWalk::default();
+        let mut c = ClusterCache::new(2, None);
+        c.touch_request(0, &[1, 2, 3], &none);
+        c.touch_request(0, &[7], &none);
+        c.touch_request(1, &[1, 2], &none);
+        c.set_capacity(0, Some(2));
+        assert_eq!(c.keys_mru(0), vec![7, 1]);
+        c.touch_request(0, &[8], &none);
+        assert_eq!(c.keys_mru(0), vec![8, 7]);
+        assert_eq!(c.keys_mru(1), vec![1, 2]);
+        c.set_capacity(0, None);
+        c.touch_request(0, &[9, 10], &none);
+        assert_eq!(c.cached_blocks(0), 4);
     }
 
     #[test]

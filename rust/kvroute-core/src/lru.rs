@@ -46,6 +46,11 @@ impl Lru {
         Self { slots: Vec::new(), free: Vec::new(), queue: StampedQueue::default(), evicts, clock: 0, len: 0 }
     }
 
+    /// Whether it keeps the eviction order.
+    pub fn evicts(&self) -> bool {
+        self.evicts
+    }
+
     /// Number of resident keys.
     pub fn len(&self) -> usize {
         self.len

@@ -485,6 +485,17 @@ impl Router {
         Ok(())
     }
 
+    /// Bound `instance`'s estimate view to `capacity` blocks (`None`: unbounded), such as its
+    /// engine's real KV capacity; its least recently touched blocks beyond it are evicted.
+    pub fn set_cache_capacity(&mut self, instance: i64, capacity: Option<usize>) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        if capacity == Some(0) {
+            return Err(Error::InvalidArgument("a cache capacity must be positive or None, got 0".into()));
+        }
+        self.cache.lock().set_capacity(i, capacity);
+        Ok(())
+    }
+
     /// From now on, hand the cache model's touches to `sink` whenever its worker thread is
     /// idle (results stay identical; see `background.rs`). For a caller with other work
     /// between routes and a core to spare, such as the simulator.

@@ -8,6 +8,7 @@ mod ceilings;
 mod convert;
 mod errors;
 mod keys;
+mod kv_events;
 #[cfg(unix)]
 mod relay;
 mod router;

@@ -4,12 +4,15 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvroute_core::{CacheRule, Policy, PolicyParams, Router, RouterConfig};
+use std::time::Duration;
+
+use kvroute_core::{CacheRule, CacheView, Policy, PolicyParams, Router, RouterConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::convert::{self, count, id, keys, optional_id};
 use crate::errors::{invalid, to_py};
+use crate::kv_events::{applied_dict, batch_of, view_dict};
 
 /// A KV-cache-aware router over `num_instances` engines (see the `kvroute` docs).
 #[pyclass(frozen, name = "Router", module = "kvroute._core")]
@@ -42,7 +45,7 @@ impl PyRouter {
     #[new]
     #[pyo3(signature = (num_instances, policy = "unified", *, block_size = 512, cache_capacity_blocks = None,
         cache_rule = "trace", max_sessions = None, overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
-        balance_rel = 1.1, overlap_weight = 1.0, temperature = 0.0))]
+        balance_rel = 1.1, overlap_weight = 1.0, temperature = 0.0, cache_view = "estimate", pending_ttl_s = 10.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -60,7 +63,11 @@ impl PyRouter {
         balance_rel: f64,
         overlap_weight: f64,
         temperature: f64,
+        cache_view: &str,
+        pending_ttl_s: f64,
     ) -> PyResult<Self> {
+        let pending_ttl = Duration::try_from_secs_f64(pending_ttl_s)
+            .map_err(|_| invalid(py, format!("pending_ttl_s must be a number >= 0, got {pending_ttl_s}")))?;
         let n = usize::try_from(num_instances)
             .map_err(|_| invalid(py, format!("num_instances must be >= 0, got {num_instances}")))?;
         let policy = Policy::from_name(policy).map_err(|e| to_py(py, e))?;
@@ -84,6 +91,8 @@ impl PyRouter {
                 overlap_weight,
                 temperature,
             },
+            cache_view: CacheView::from_name(cache_view).map_err(|e| to_py(py, e))?,
+            pending_ttl,
         };
         let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
         Ok(Self { inner: Arc::new(Mutex::new(router)) })
@@ -218,6 +227,71 @@ impl PyRouter {
     fn clear_cache(&self, instance: &Bound<'_, PyAny>) -> PyResult<()> {
         let inst = self.instance(instance)?;
         self.lock().clear_cache(inst as i64).map_err(|e| to_py(instance.py(), e))
+    }
+
+    /// Bound an instance's estimate view to `capacity` blocks (None: unbounded), e.g. its
+    /// engine's real KV capacity; its least recently touched blocks beyond it are evicted.
+    fn set_cache_capacity(&self, instance: &Bound<'_, PyAny>, capacity: Option<i64>) -> PyResult<()> {
+        let py = instance.py();
+        let inst = self.instance(instance)?;
+        let capacity = capacity.map(|c| positive(py, c, "capacity")).transpose()?.map(|c| c as usize);
+        self.lock().set_cache_capacity(inst as i64, capacity).map_err(|e| to_py(py, e))
+    }
+
+    /// Apply one batch of an instance's KV-cache events: `batch` is the msgpack payload vLLM
+    /// publishes (the third frame of a message) or the same batch decoded (`[ts, events,
+    /// rank]`), `seq` its sequence number, `replayed` whether it came from the engine's replay
+    /// socket. Returns `{"outcome": "applied" | "duplicate" | "gap", "expected", "reset",
+    /// "degraded"}` (docs/kv-events.md). Needs `cache_view="events"`.
+    #[pyo3(signature = (instance, seq, batch, *, replayed = false))]
+    fn apply_kv_events<'py>(
+        &self,
+        instance: &Bound<'py, PyAny>,
+        seq: &Bound<'py, PyAny>,
+        batch: &Bound<'py, PyAny>,
+        replayed: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let py = instance.py();
+        let inst = self.instance(instance)?;
+        let seq = count(seq, "seq")?;
+        let batch = batch_of(batch, seq)?;
+        let applied =
+            self.lock().apply_kv_events(inst as i64, seq, &batch, replayed).map_err(|e| to_py(py, e))?;
+        applied_dict(py, &applied)
+    }
+
+    /// An instance's rank missed batches that cannot be replayed: its view turns degraded
+    /// (routed on the estimate) and takes the next batch as a new start.
+    fn kv_resync(&self, instance: &Bound<'_, PyAny>, rank: u32, reason: &str) -> PyResult<()> {
+        let inst = self.instance(instance)?;
+        self.lock().kv_resync(inst as i64, rank, reason).map_err(|e| to_py(instance.py(), e))
+    }
+
+    /// An instance's engine restarted: drop its events view until its sequence 0 arrives.
+    fn kv_reset(&self, instance: &Bound<'_, PyAny>) -> PyResult<()> {
+        let inst = self.instance(instance)?;
+        self.lock().kv_reset(inst as i64).map_err(|e| to_py(instance.py(), e))
+    }
+
+    /// An instance's events view (`uses_events`, `blocks`, `pending`, and per rank its state,
+    /// last sequence number and counters), or None with `cache_view="estimate"`.
+    fn kv_view<'py>(&self, instance: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let py = instance.py();
+        let inst = self.instance(instance)?;
+        let report = self.lock().kv_view(inst as i64).map_err(|e| to_py(py, e))?;
+        report.map(|r| view_dict(py, &r)).transpose()
+    }
+
+    /// Bytes of the events view's tables (0 with the estimate view).
+    #[getter]
+    fn kv_memory_bytes(&self) -> usize {
+        self.lock().event_view().map_or(0, |v| v.memory_bytes())
+    }
+
+    /// The cache view: `"estimate"` or `"events"`.
+    #[getter]
+    fn cache_view(&self) -> &'static str {
+        self.lock().config().cache_view.name()
     }
 
     /// The policy's name.

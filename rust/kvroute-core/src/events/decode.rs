@@ -242,9 +242,7 @@ fn hash(rd: &mut &[u8]) -> Res<u64> {
             Ok(xxh3_64(bytes))
         }
         Some(0xd0..=0xd3 | 0xe0..=0xff) => Ok(int(rd)? as u64), // negative: its two's complement
-        _ => {
-            mp::read_int::<u64, _>(rd).map_err(|_| "expected a block hash (an integer or bytes)".into())
-        }
+        _ => mp::read_int::<u64, _>(rd).map_err(|_| "expected a block hash (an integer or bytes)".into()),
     }
 }
 

@@ -1,0 +1,91 @@
+//! Conversions for `Router`'s KV-event methods: a batch argument (msgpack bytes as vLLM
+//! publishes them, or the same batch already decoded into Python lists and dicts) into the
+//! core's `EventBatch`, and the core's reports into dicts.
+//!
+//! Decoding runs without the GIL on a copy of the payload (O(payload)); thread-safe.
+
+use kvroute_core::events::{decode::decode_batch, Applied, EventBatch, Outcome, RankReport, ViewReport};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::{invalid, wrong_type};
+
+/// The batch in `batch`: `bytes` of msgpack, or a decoded batch (`[ts, events, rank]`),
+/// which is packed with the `msgpack` package first so that both take one decoder.
+pub fn batch_of(batch: &Bound<'_, PyAny>, seq: u64) -> PyResult<EventBatch> {
+    let py = batch.py();
+    let payload: Vec<u8> = if let Ok(bytes) = batch.cast::<PyBytes>() {
+        bytes.as_bytes().to_vec()
+    } else if batch.is_instance_of::<pyo3::types::PyList>() || batch.is_instance_of::<pyo3::types::PyTuple>()
+    {
+        let packed = py.import("msgpack")?.call_method1("packb", (batch,))?;
+        packed.cast_into::<PyBytes>()?.as_bytes().to_vec()
+    } else {
+        let name = batch.get_type().name()?;
+        return Err(wrong_type(
+            py,
+            format!("batch must be bytes (msgpack) or a list [ts, events, rank], got {name}"),
+        ));
+    };
+    py.detach(|| decode_batch(&payload))
+        .map_err(|e| invalid(py, format!("KV-event batch {seq} cannot be decoded: {e}")))
+}
+
+/// `{"outcome", "expected", "reset", "degraded"}` of one application.
+pub fn applied_dict<'py>(py: Python<'py>, a: &Applied) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let (outcome, expected) = match a.outcome {
+        Outcome::Applied => ("applied", None),
+        Outcome::Duplicate => ("duplicate", None),
+        Outcome::Gap { expected } => ("gap", Some(expected)),
+    };
+    d.set_item("outcome", outcome)?;
+    d.set_item("expected", expected)?;
+    d.set_item("reset", a.reset)?;
+    d.set_item("degraded", a.degraded)?;
+    Ok(d)
+}
+
+fn rank_dict<'py>(py: Python<'py>, r: &RankReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rank", r.rank)?;
+    d.set_item("state", r.state.name())?;
+    d.set_item(
+        "reason",
+        match &r.state {
+            kvroute_core::events::ViewState::Degraded(why) => Some(why.as_str()),
+            _ => None,
+        },
+    )?;
+    d.set_item("last_seq", r.last_seq)?;
+    for (name, value) in [
+        ("batches", r.batches),
+        ("replayed_batches", r.replayed_batches),
+        ("events", r.events),
+        ("blocks_stored", r.blocks_stored),
+        ("blocks_removed", r.blocks_removed),
+        ("blocks_ignored", r.blocks_ignored),
+        ("unknown_removals", r.unknown_removals),
+        ("unkeyable_blocks", r.unkeyable_blocks),
+        ("gaps", r.gaps),
+        ("resets", r.resets),
+    ] {
+        d.set_item(name, value)?;
+    }
+    d.set_item("blocks_indexed", r.blocks_indexed)?;
+    d.set_item("last_ts", r.last_ts)?;
+    d.set_item("lag_s", r.lag_s)?;
+    d.set_item("memory_bytes", r.memory_bytes)?;
+    Ok(d)
+}
+
+/// `{"uses_events", "blocks", "pending", "ranks": [...]}` of one instance.
+pub fn view_dict<'py>(py: Python<'py>, v: &ViewReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("uses_events", v.uses_events)?;
+    d.set_item("blocks", v.blocks)?;
+    d.set_item("pending", v.pending)?;
+    let ranks = v.ranks.iter().map(|r| rank_dict(py, r)).collect::<PyResult<Vec<_>>>()?;
+    d.set_item("ranks", ranks)?;
+    Ok(d)
+}
