@@ -287,6 +287,14 @@ def test_reference_has_the_router_api() -> None:
         "num_sessions",
         "block_size",
         "in_flight",
+        # The events view and per-instance bounds (tests/test_kv_index.py, test_kv_events.py).
+        "set_cache_capacity",
+        "apply_kv_events",
+        "kv_resync",
+        "kv_reset",
+        "kv_view",
+        "kv_memory_bytes",
+        "cache_view",
     }
     ref = ReferenceRouter(2, "lmetric", block_size=16)
     for name in public:

@@ -72,6 +72,17 @@ def sequence_keys(
 def prompt_ids(body: bytes) -> tuple[npt.NDArray[np.uint32], int, int] | None: ...
 
 @final
+class KvBatchSummary(TypedDict):
+    ts: float
+    rank: int
+    events: int
+    stored: int
+    removed: int
+    ignored: int
+    cleared: int
+
+def decode_kv_events(payload: bytes | list[Any]) -> KvBatchSummary: ...
+
 class KvApplied(TypedDict):
     outcome: Literal["applied", "duplicate", "gap"]
     expected: int | None

@@ -8,6 +8,7 @@ import click
 import kvroute
 from kvroute.cli.ceilings import ceilings
 from kvroute.cli.demo import demo, list_policies
+from kvroute.cli.kv_events import kv_events
 from kvroute.cli.live import engine, proxy, replay
 from kvroute.cli.report import bench, report
 from kvroute.cli.simulate import simulate
@@ -27,6 +28,7 @@ main.add_command(trace)
 main.add_command(proxy)
 main.add_command(engine)
 main.add_command(replay)
+main.add_command(kv_events)
 main.add_command(simulate)
 main.add_command(report)
 main.add_command(bench)

@@ -105,6 +105,21 @@ def _ready(what: str) -> Any:
     type=click.IntRange(min=1),
     help="Client connections served at once; one beyond gets a 503.",
 )
+@click.option(
+    "--kv-events",
+    type=click.Choice(["auto", "off"]),
+    default="auto",
+    show_default=True,
+    help="auto: route on the engines' KV-cache events wherever they publish them (needs "
+    "--tokenizer backend or a tokenizer.json); off: on the router's estimate only.",
+)
+@click.option(
+    "--kv-events-source",
+    "kv_sources",
+    multiple=True,
+    metavar="URL=ENDPOINT[,REPLAY]",
+    help="A backend's ZMQ endpoints (instead of its /kv_event_sources); repeat.",
+)
 @click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
 def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
@@ -131,11 +146,26 @@ def proxy(**kw: Any) -> None:
             decision_log=kw["decision_log"],
             header_read_timeout_s=kw["header_timeout"],
             max_connections=kw["max_connections"],
+            kv_events=kw["kv_events"],
+            kv_event_sources=_sources(kw["kv_sources"]),
         )
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise click.ClickException(str(exc)) from exc
     _serve(app, kw, "proxy")
+
+
+def _sources(pairs: tuple[str, ...]) -> dict[str, list[str]]:
+    """``URL=ENDPOINT[,REPLAY]`` options as ``{url: [endpoint, replay]}``."""
+    out = {}
+    for pair in pairs:
+        url, sep, endpoints = pair.partition("=")
+        if not sep or not endpoints:
+            raise click.BadParameter(
+                f"{pair!r} is not URL=ENDPOINT[,REPLAY]", param_hint="--kv-events-source"
+            )
+        out[url] = endpoints.split(",")
+    return out
 
 
 def _serve(app: Any, kw: dict[str, Any], what: str) -> None:

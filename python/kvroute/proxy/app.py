@@ -32,8 +32,10 @@ from aiohttp import web
 import kvroute
 from kvroute import _core
 from kvroute.errors import InvalidArgumentError
+from kvroute.kv_events import Source, Subscriber
 from kvroute.proxy.admin import Admin
 from kvroute.proxy.backends import BackendPool
+from kvroute.proxy.caches import EngineCaches
 from kvroute.proxy.config import ProxyConfig
 from kvroute.proxy.engines import EngineEndpoints
 from kvroute.proxy.keys import Keyer
@@ -52,11 +54,32 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        options = {"cache_rule": "vllm", "max_sessions": MAX_SESSIONS, **config.router_options}
-        self.router = kvroute.Router(len(config.backends), config.policy, **options)
+        options: dict[str, Any] = {"cache_rule": "vllm", "max_sessions": MAX_SESSIONS}
+        if config.uses_kv_events:
+            options["cache_view"] = "events"
+        elif config.kv_events == "auto":
+            log.info(
+                "KV events are not used: --tokenizer approx keys bytes, not the engine's "
+                "tokens (use --tokenizer backend or a tokenizer.json)"
+            )
+        self.router = kvroute.Router(
+            len(config.backends), config.policy, **{**options, **config.router_options}
+        )
         self.pool = BackendPool(config, self.router)
         self._relay: Any = None
-        self.registry = proxy_registry(config.policy, self.router, self._urls, self._relay_stats)
+        explicit = {
+            url: [Source(0, e[0], e[1] if len(e) > 1 else None)]
+            for url, e in config.kv_event_sources.items()
+        }
+        bound = "cache_capacity_blocks" not in config.router_options
+        self.caches = EngineCaches(self.pool, self.router, None, explicit, bound)
+        self.registry = proxy_registry(
+            config.policy,
+            self.router,
+            self._urls,
+            self._relay_stats,
+            lambda: self.caches.subscriber,
+        )
         self.engines = EngineEndpoints(self.pool, self.router)
         self.keyer = Keyer(config.tokenizer, config.block_size, self.engines.remote_tokenize)
         self.session: aiohttp.ClientSession | None = None
@@ -151,7 +174,12 @@ class Proxy:
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
         )
         self.engines.session = self.session
-        tasks = [asyncio.create_task(self.pool.health_loop(self.session))]
+        if self.router.cache_view == "events":
+            self.caches.subscriber = Subscriber(self.router)
+        tasks = [
+            asyncio.create_task(self.pool.health_loop(self.session)),
+            asyncio.create_task(self.caches.loop(self.session, c.health_interval_s)),
+        ]
         if self.config.decision_log:
             tasks.append(asyncio.create_task(self._flush_loop()))
         try:
@@ -163,6 +191,9 @@ class Proxy:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             await self.session.close()
+            if self.caches.subscriber is not None:
+                self.caches.subscriber.close()
+                self.caches.subscriber = None
 
     async def _flush_loop(self) -> None:
         while True:

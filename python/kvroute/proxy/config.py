@@ -63,6 +63,12 @@ class ProxyConfig:
     header_read_timeout_s: float = 30.0
     #: Client connections served at once; one beyond gets a 503 and is closed.
     max_connections: int = 8192
+    #: ``"auto"``: the router reads each engine's KV-cache events wherever it publishes them
+    #: (needs exact keys: a tokenizer, not ``approx``); ``"off"``: the estimate view only.
+    kv_events: str = "auto"
+    #: Backend URL -> ``[endpoint]`` or ``[endpoint, replay endpoint]`` of its rank 0 (instead
+    #: of what its ``/kv_event_sources`` says).
+    kv_event_sources: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.backends = [normalize_url(u) for u in self.backends]
@@ -82,6 +88,23 @@ class ProxyConfig:
                 raise InvalidArgumentError(f"{name} must be positive")
         if self.retries < 0:
             raise InvalidArgumentError("retries must be at least 0")
+        if self.kv_events not in ("auto", "off"):
+            raise InvalidArgumentError(f"kv_events must be 'auto' or 'off', got {self.kv_events!r}")
+        sources = {}
+        for url, endpoints in self.kv_event_sources.items():
+            if normalize_url(url) not in self.backends:
+                raise InvalidArgumentError(f"KV-events source for {url}, which is not a backend")
+            if not 1 <= len(endpoints) <= 2 or not all(isinstance(e, str) for e in endpoints):
+                raise InvalidArgumentError(
+                    f"KV-events source of {url}: [endpoint] or [endpoint, replay]"
+                )
+            sources[normalize_url(url)] = list(endpoints)
+        self.kv_event_sources = sources
+
+    @property
+    def uses_kv_events(self) -> bool:
+        """Whether the router reads KV events (``auto``, with exact keys)."""
+        return self.kv_events == "auto" and self.tokenizer != "approx"
 
     @property
     def block_size(self) -> int:

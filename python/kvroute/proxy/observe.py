@@ -13,7 +13,14 @@ Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL without credenti
   first streamed byte; streaming requests only);
 * ``errors_total{backend,kind}`` (``connect``, ``status``, ``timeout``, ``midstream``,
   ``client_disconnect``, ``bad_request``, ``no_backend``), ``retries_total{backend}``;
-* ``routing_seconds``: keying plus the routing decision.
+* ``routing_seconds``: keying plus the routing decision;
+* with the events view (``docs/kv-events.md``), per ``{backend,rank}``:
+  ``kv_batches_total``, ``kv_events_total``, ``kv_blocks_stored_total``,
+  ``kv_blocks_removed_total``, ``kv_blocks_ignored_total``, ``kv_gaps_total``,
+  ``kv_replays_total``, ``kv_replay_failures_total``, ``kv_resets_total``,
+  ``kv_decode_errors_total``, and the gauges ``kv_degraded``, ``kv_last_seq``,
+  ``kv_lag_seconds`` (the engine's batch timestamp to its application); per ``{backend}``:
+  ``kv_uses_events``, ``kv_blocks_indexed``, ``kv_blocks_pending``; and ``kv_index_bytes``.
 
 The counters are the relay's (``kvroute._core.Relay.stats``), read at scrape time by
 :class:`RelayCollector`; the gauges are the router's. O(backends) per scrape; the collectors
@@ -144,15 +151,101 @@ class RelayCollector(Collector):
         yield from (decisions, estimated, reported, prompt, ttft, e2e, errors, retries, routing)
 
 
+#: Per-rank counters of the router's view: (metric suffix, key, help).
+_RANK_COUNTERS = (
+    ("batches", "batches", "KV-event batches applied."),
+    ("events", "events", "KV events applied."),
+    ("blocks_stored", "blocks_stored", "Blocks the engine reported stored."),
+    ("blocks_removed", "blocks_removed", "Blocks the engine reported removed."),
+    ("blocks_ignored", "blocks_ignored", "Blocks outside the view (LoRA, other media, ...)."),
+    ("gaps", "gaps", "Gaps in the batches' sequence numbers."),
+    ("resets", "resets", "Restarts seen (sequence backwards, or the backend came back)."),
+)
+#: Per-rank counters of the subscriber.
+_SOURCE_COUNTERS = (
+    ("replays", "replays", "Replays asked of the engine's replay socket."),
+    ("replay_failures", "replay_failures", "Replays that could not fill a gap."),
+    ("decode_errors", "decode_errors", "Messages that could not be decoded or applied."),
+)
+
+
+class KvEventsCollector(Collector):
+    """The events view's metrics (see the module doc); nothing with the estimate view."""
+
+    def __init__(
+        self,
+        router: kvroute.Router,
+        urls: Callable[[], list[str]],
+        subscriber: Callable[[], Any],
+    ) -> None:
+        self._router, self._urls, self._subscriber = router, urls, subscriber
+
+    def collect(self) -> Iterable[Metric]:
+        if self._router.cache_view != "events":
+            return
+        name = "kvroute_proxy_kv_"
+        rank = ["backend", "rank"]
+        counters = {
+            key: CounterMetricFamily(name + suffix, text, labels=rank)
+            for suffix, key, text in (*_RANK_COUNTERS, *_SOURCE_COUNTERS)
+        }
+        gauges = {
+            "degraded": GaugeMetricFamily(
+                name + "degraded", "1 while a rank's view is not whole.", labels=rank
+            ),
+            "last_seq": GaugeMetricFamily(name + "last_seq", "Last batch applied.", labels=rank),
+            "lag_s": GaugeMetricFamily(
+                name + "lag_seconds", "Engine timestamp to applied, last batch.", labels=rank
+            ),
+        }
+        per_backend = {
+            "uses_events": GaugeMetricFamily(
+                name + "uses_events", "1 when routing reads the events view.", labels=["backend"]
+            ),
+            "blocks": GaugeMetricFamily(
+                name + "blocks_indexed", "Blocks in the events view.", labels=["backend"]
+            ),
+            "pending": GaugeMetricFamily(
+                name + "blocks_pending", "Routed blocks not yet confirmed.", labels=["backend"]
+            ),
+        }
+        sub = self._subscriber()
+        seen = sub.stats() if sub is not None else {}
+        for i, url in enumerate(self._urls()):
+            view = self._router.kv_view(i)
+            if view is None:
+                continue
+            for key, fam in per_backend.items():
+                fam.add_metric([url], float(view[key]))  # type: ignore[literal-required]
+            for r in view["ranks"]:
+                labels = [url, str(r["rank"])]
+                for key, _, _ in _RANK_COUNTERS:
+                    counters[key].add_metric(labels, r[key])  # type: ignore[literal-required]
+                stats = seen.get((i, r["rank"]))
+                for key, _, _ in _SOURCE_COUNTERS:
+                    counters[key].add_metric(labels, getattr(stats, key, 0))
+                gauges["degraded"].add_metric(labels, float(r["state"] == "degraded"))
+                gauges["last_seq"].add_metric(
+                    labels, float(-1 if r["last_seq"] is None else r["last_seq"])
+                )
+                gauges["lag_s"].add_metric(labels, r["lag_s"])
+        memory = GaugeMetricFamily(name + "index_bytes", "Bytes of the events view's tables.")
+        memory.add_metric([], float(self._router.kv_memory_bytes))
+        yield from (*counters.values(), *gauges.values(), *per_backend.values(), memory)
+
+
 def proxy_registry(
     policy: str,
     router: kvroute.Router,
     urls: Callable[[], list[str]],
     stats: Callable[[], dict[str, Any] | None],
+    subscriber: Callable[[], Any] = lambda: None,
 ) -> CollectorRegistry:
-    """The proxy's registry: the router's gauges and the relay's counters (``stats``: the
-    relay's, None before it starts)."""
+    """The proxy's registry: the router's gauges, the relay's counters (``stats``: the
+    relay's, None before it starts) and the events view's (``subscriber``: the KV-event
+    subscriber, None before it starts)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_RouterCollector(router, urls))
     registry.register(RelayCollector(policy, stats, urls))
+    registry.register(KvEventsCollector(router, urls, subscriber))
     return registry

@@ -4,7 +4,9 @@
 //!
 //! Decoding runs without the GIL on a copy of the payload (O(payload)); thread-safe.
 
-use kvroute_core::events::{decode::decode_batch, Applied, EventBatch, Outcome, RankReport, ViewReport};
+use kvroute_core::events::{
+    decode::decode_batch, Applied, EventBatch, KvEvent, Outcome, RankReport, ViewReport,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -87,5 +89,32 @@ pub fn view_dict<'py>(py: Python<'py>, v: &ViewReport) -> PyResult<Bound<'py, Py
     d.set_item("pending", v.pending)?;
     let ranks = v.ranks.iter().map(|r| rank_dict(py, r)).collect::<PyResult<Vec<_>>>()?;
     d.set_item("ranks", ranks)?;
+    Ok(d)
+}
+
+/// What one published batch holds, decoded by the core (for summaries such as
+/// `kvroute kv-events`): `ts`, `rank`, `events`, and blocks `stored`, `removed`, `ignored`
+/// (outside the view: LoRA, extra keys, other media or groups) and `cleared` events.
+#[pyfunction]
+pub fn decode_kv_events<'py>(py: Python<'py>, payload: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let batch = batch_of(payload, 0)?;
+    let (mut stored, mut removed, mut ignored, mut cleared) = (0usize, 0usize, 0usize, 0usize);
+    for event in &batch.events {
+        match event {
+            KvEvent::Stored(s) if s.ignored.is_some() => ignored += s.hashes.len(),
+            KvEvent::Stored(s) => stored += s.hashes.len(),
+            KvEvent::Removed { hashes, ignored: Some(_) } => ignored += hashes.len(),
+            KvEvent::Removed { hashes, .. } => removed += hashes.len(),
+            KvEvent::Cleared => cleared += 1,
+        }
+    }
+    let d = PyDict::new(py);
+    d.set_item("ts", batch.ts)?;
+    d.set_item("rank", batch.rank)?;
+    d.set_item("events", batch.events.len())?;
+    d.set_item("stored", stored)?;
+    d.set_item("removed", removed)?;
+    d.set_item("ignored", ignored)?;
+    d.set_item("cleared", cleared)?;
     Ok(d)
 }

@@ -27,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keys::sequence_keys, m)?)?;
     m.add_function(wrap_pyfunction!(keys::prompt_ids, m)?)?;
     m.add_function(wrap_pyfunction!(ceilings::ceilings, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_events::decode_kv_events, m)?)?;
     #[cfg(unix)]
     m.add_class::<relay::PyRelay>()?;
     #[cfg(unix)]

@@ -30,7 +30,7 @@ impl std::fmt::Display for DecodeError {
 type Res<T> = std::result::Result<T, String>;
 
 /// Field names of the array encoding, by position after the tag (vLLM's declaration order).
-const STORED_FIELDS: [&str; 8] = [
+const STORED_FIELDS: [&str; 9] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -39,6 +39,7 @@ const STORED_FIELDS: [&str; 8] = [
     "medium",
     "lora_name",
     "extra_keys",
+    "group_idx",
 ];
 const REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 

@@ -149,6 +149,18 @@ impl EventView {
         self.uses[inst]
     }
 
+    /// Which view routing reads for `inst`: `"events"`, `"degraded"` (a rank's view is not
+    /// whole: the estimate) or `"estimate"` (no events applied yet).
+    pub fn source(&self, inst: usize) -> &'static str {
+        if self.uses[inst] {
+            "events"
+        } else if self.engines[inst].iter().any(|r| matches!(r.state(), ViewState::Degraded(_))) {
+            "degraded"
+        } else {
+            "estimate"
+        }
+    }
+
     fn refresh(&mut self, inst: usize) {
         let ranks = &self.engines[inst];
         self.uses[inst] = !ranks.is_empty() && ranks.iter().all(|r| *r.state() == ViewState::Complete);

@@ -24,6 +24,7 @@ impl Terms {
     /// Read off `router` for a request of `keys` and `input_length` tokens.
     pub fn read(router: &Router, keys: &[u64], input_length: u64) -> Terms {
         let hits = router.estimate_cache_hits(keys, input_length);
+        let view = |i: usize| router.event_view().map_or("estimate", |v| v.source(i));
         let mut out = b"[".to_vec();
         for (i, (hit, st)) in hits.iter().zip(router.state()).enumerate() {
             let new = input_length.saturating_sub(*hit);
@@ -35,10 +36,12 @@ impl Terms {
             let _ = write!(
                 out,
                 "{{\"instance\":{i},\"available\":{},\"hit_tokens\":{hit},\"new_prefill\":{new},\
-                 \"pending_prefill_tokens\":{pending},\"num_requests\":{},\"lmetric_score\":{}}}",
+                 \"pending_prefill_tokens\":{pending},\"num_requests\":{},\"lmetric_score\":{},\
+                 \"cache_view\":\"{}\"}}",
                 load.available,
                 load.num_requests,
-                (pending + new).saturating_mul(load.num_requests)
+                (pending + new).saturating_mul(load.num_requests),
+                view(i)
             );
         }
         out.push(b']');
