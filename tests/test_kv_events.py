@@ -251,3 +251,33 @@ def test_tally_counts_rates_gaps_and_restarts() -> None:
         1,
     )
     assert t.bad_messages == 1
+
+
+def test_the_kv_events_command_prints_a_summary(pub: FakePublisher) -> None:
+    import json
+    import threading
+
+    from click.testing import CliRunner
+
+    from kvroute.cli import main
+
+    def publish() -> None:
+        assert pub.wait_for_subscribers(1, timeout=3.0)
+        chain(pub)
+        pub.drop_next(1)
+        pub.publish([removed([3])])
+        pub.publish([cleared()])
+
+    threading.Thread(target=publish, daemon=True).start()
+    args = ["kv-events", pub.endpoint, "--duration", "1.5", "--interval", "0.5", "--json"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    last = json.loads(res.output.strip().splitlines()[-1])["ranks"][0]
+    assert (last["batches"], last["stored"], last["cleared"], last["gaps"], last["missed"]) == (
+        3,
+        3,
+        1,
+        1,
+        1,
+    )
+    assert last["last_seq"] == 3

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pyarrow.compute as pc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvroute
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.replay import ReplayConfig, replay
 from kvroute.trace import read_trace
@@ -75,14 +75,6 @@ def metric_total(text: str, name: str, **labels: str) -> float:
 
 def engine_metric(url: str, name: str) -> float:
     return metric_total(http("GET", url + "/metrics")[2].decode(), name)
-
-
-@pytest.fixture
-def engines(vllm_engines: Engines) -> Iterator[Engines]:
-    """The session's engines, reset to cold caches before the test."""
-    for e in vllm_engines:
-        assert http("POST", e.url + "/reset_prefix_cache", b"")[0] == 200
-    yield vllm_engines
 
 
 def test_the_openai_client_through_the_proxy(engines: Engines) -> None:
@@ -349,6 +341,17 @@ def test_an_engine_killed_mid_run(engines: Engines) -> None:
         finally:
             engines.restart(1)
         wait_until(lambda: s.proxy.pool.get(1).up, 30, "engine 1 back up")
+        # Its events view started over: nothing from before the restart is a hit there.
+        router = s.proxy.router
+
+        def restarted() -> bool:
+            view = router.kv_view(1)
+            return view is not None and any(r["resets"] for r in view["ranks"])
+
+        wait_until(restarted, 30, "engine 1's view reset")
+        for i in range(4):
+            keys = kvroute.block_hashes([1000 + i] * 65, BLOCK_SIZE)
+            assert router.estimate_cache_hits(keys, 65, view="events")[1] == 0
         got = {
             s.client.completions.with_raw_response.create(
                 model=MODEL_NAME, prompt=[9, i], max_tokens=1

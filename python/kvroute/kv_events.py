@@ -145,8 +145,10 @@ class Subscriber:
         self._commands.put(("unwatch", instance, None))
 
     def drop_next(self, instance: int, batches: int) -> None:
-        """Test hook: lose ``instance``'s next ``batches`` live batches (each rank's)."""
+        """Test hook: lose ``instance``'s next ``batches`` live batches (each rank's), from the
+        moment this returns."""
         self._commands.put(("drop", instance, batches))
+        self.sync()
 
     def sync(self, timeout: float = 5.0) -> None:
         """Wait until the commands sent so far have been carried out."""
@@ -346,7 +348,6 @@ class RankTally:
     gaps: int = 0
     missed: int = 0
     restarts: int = 0
-    errors: int = 0
     last_seq: int | None = None
     #: The last batch's timestamp to the moment it was counted, in seconds.
     lag_s: float = 0.0

@@ -413,16 +413,34 @@ impl Router {
         Ok(hit_tokens(matched as u64, self.config.block_size, input_length))
     }
 
-    /// Estimated cached tokens on every instance, from one index walk; reads only.
+    /// Estimated cached tokens on every instance, by the view routing reads for each
+    /// (one walk per view); reads only.
     pub fn estimate_cache_hits(&self, keys: &[u64], input_length: u64) -> Vec<u64> {
+        self.estimate_cache_hits_in(keys, input_length, None)
+    }
+
+    /// [`Router::estimate_cache_hits`] by one view for every instance (`Some`: the estimate
+    /// view, or the events view whether or not routing reads it; a router without an events
+    /// view holds nothing there), or as routing reads them (`None`).
+    pub fn estimate_cache_hits_in(
+        &self,
+        keys: &[u64],
+        input_length: u64,
+        view: Option<CacheView>,
+    ) -> Vec<u64> {
         let keys = self.lookup(keys, input_length);
         let mut walk = PrefixWalk::default();
         self.cache.lock().walk(keys, &mut walk);
         let mut merged = walk.matched().to_vec();
-        if let Some(e) = &self.events {
-            let mut from_events = Vec::new();
-            e.walk(keys, &mut from_events);
-            merge(&mut merged, &from_events, walk.matched(), |i| e.uses_events(i));
+        match (&self.events, view) {
+            (_, Some(CacheView::Estimate)) | (None, None) => {}
+            (None, Some(CacheView::Events)) => merged.fill(0),
+            (Some(e), view) => {
+                let mut from_events = Vec::new();
+                e.walk(keys, &mut from_events);
+                let every = view == Some(CacheView::Events);
+                merge(&mut merged, &from_events, walk.matched(), |i| every || e.uses_events(i));
+            }
         }
         merged.iter().map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length)).collect()
     }

@@ -153,15 +153,26 @@ impl PyRouter {
         self.lock().estimate_cache_hit(inst, keys.as_slice(), n).map_err(|e| to_py(instance.py(), e))
     }
 
-    /// Estimated cached tokens on every instance (one index walk); changes nothing.
+    /// Estimated cached tokens on every instance (one index walk per view); changes nothing.
+    /// `view`: `"routing"` (the view routing reads for each instance), `"estimate"` or
+    /// `"events"` (that view for every instance).
+    #[pyo3(signature = (hash_ids, input_length, view = "routing"))]
     fn estimate_cache_hits(
         &self,
         hash_ids: &Bound<'_, PyAny>,
         input_length: &Bound<'_, PyAny>,
+        view: &str,
     ) -> PyResult<Vec<u64>> {
+        let py = hash_ids.py();
+        let view = match view {
+            "routing" => None,
+            other => Some(CacheView::from_name(other).map_err(|_| {
+                invalid(py, format!("view must be 'routing', 'estimate' or 'events', got {other:?}"))
+            })?),
+        };
         let keys = keys(hash_ids, "hash_ids")?;
         let n = count(input_length, "input_length")?;
-        Ok(self.lock().estimate_cache_hits(keys.as_slice(), n))
+        Ok(self.lock().estimate_cache_hits_in(keys.as_slice(), n, view))
     }
 
     /// One dict per instance: num_requests, ongoing_tokens, pending_prefill_tokens,

@@ -1,0 +1,157 @@
+"""The events view against real vLLM engines on CPU (``make test-vllm``): exact while an
+engine evicts, gaps replayed from a real replay socket or turned degraded without one.
+(Restarts are checked in ``test_real_vllm.py::test_an_engine_killed_mid_run``.)"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+import pytest
+
+import kvroute
+from kvroute.kv_events import Source, Subscriber, event_sources
+from livekit import http, wait_until
+from realvllm import BLOCK_SIZE, MODEL_NAME, Engines
+from test_real_vllm import RealStack
+
+pytestmark = pytest.mark.vllm
+WORDS = ["cache", "block", "prefix", "engine", "router", "token", "session", "answer"]
+
+
+def text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(words))
+
+
+def uses_events(router: kvroute.Router, inst: int) -> bool:
+    view = router.kv_view(inst)
+    return view is not None and view["uses_events"]
+
+
+def tokenize(url: str, body: dict[str, Any]) -> list[int]:
+    status, _, raw = http(
+        "POST", url + "/tokenize", json.dumps({"model": MODEL_NAME, **body}).encode()
+    )
+    assert status == 200, raw
+    return list(json.loads(raw)["tokens"])
+
+
+def clear(urls: list[str], via: str | None = None) -> None:
+    """Reset the engines' prefix caches (through the proxy ``via``, or each directly) and run
+    one step on each: vLLM publishes the ``AllBlocksCleared`` with its next step's batch."""
+    for target in [via] if via else urls:
+        assert http("POST", target + "/reset_prefix_cache", b"")[0] == 200
+    for url in urls:
+        completion(url, [1, 2])
+
+
+def test_the_events_view_is_exact_while_an_engine_evicts(engines: Engines) -> None:
+    """Multi-turn chats through the proxy with ``--kv-events auto``, spread over both engines
+    (round robin) so that engine 1's 32 MiB cache evicts: the router's estimate is the engine's
+    ``cached_tokens`` on every request, and the estimate view's error is reported beside it."""
+    rows = []
+    with RealStack(engines, policy="round_robin") as s:
+        router = s.proxy.router
+        assert router.cache_view == "events"
+        clear(engines.urls, s.url)
+        wait_until(lambda: uses_events(router, 0) and uses_events(router, 1), 30, "both views")
+        # Seven chats: round robin sends each turn of a chat to the other engine.
+        chats = {i: [{"role": "system", "content": text(i, 1200)}] for i in range(7)}
+        for turn in range(3):
+            for i, messages in chats.items():
+                messages.append({"role": "user", "content": f"question {turn} of chat {i}?"})
+                ids = tokenize(s.url, {"messages": messages, "add_generation_prompt": True})
+                keys = kvroute.block_hashes(ids, BLOCK_SIZE)
+                views = {
+                    v: router.estimate_cache_hits(keys, len(ids), view=v)
+                    for v in ("events", "estimate")
+                }
+                raw = s.client.chat.completions.with_raw_response.create(
+                    model=MODEL_NAME,
+                    messages=messages,
+                    max_tokens=40,
+                    temperature=0.0,  # type: ignore[arg-type]
+                )
+                answer = raw.parse()
+                assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+                inst = int(raw.headers["X-Kvroute-Instance"])
+                cached = answer.usage.prompt_tokens_details.cached_tokens or 0
+                hit = int(raw.headers["X-Kvroute-Hit-Tokens"])
+                rows.append((inst, hit, cached, views["events"][inst], views["estimate"][inst]))
+                messages.append(
+                    {"role": "assistant", "content": answer.choices[0].message.content or ""}
+                )
+                time.sleep(0.2)  # the answer's last events
+        s.assert_idle()
+        evicted = router.kv_view(1)["ranks"][0]["blocks_removed"]  # type: ignore[index]
+    assert evicted > 0, "engine 1 should have evicted"
+    assert [r[1] for r in rows] == [r[2] for r in rows], rows
+    assert [r[3] for r in rows] == [r[2] for r in rows], rows
+    cached = sum(r[2] for r in rows)
+    error = sum(abs(r[4] - r[2]) for r in rows)
+    print(f"\nevents view: exact on {len(rows)} requests ({cached} cached tokens); "
+          f"estimate view: off by {error} tokens ({error / max(cached, 1):.1%}); "
+          f"engine 1 evicted {evicted} blocks")  # fmt: skip
+    assert cached > 0
+
+
+def completion(url: str, prompt: list[int]) -> int:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}
+    status, _, raw = http("POST", url + "/v1/completions", json.dumps(body).encode())
+    assert status == 200, raw
+    return int(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+
+
+def rank0(router: kvroute.Router) -> dict[str, Any]:
+    view = router.kv_view(0)
+    assert view is not None
+    return dict(view["ranks"][0]) if view["ranks"] else {}
+
+
+def test_gaps_are_replayed_from_a_real_replay_socket(engines: Engines) -> None:
+    url = engines[0].url
+    sources = event_sources(json.loads(http("GET", url + "/kv_event_sources")[2]), url)
+    assert sources and sources[0].replay is not None
+    router = kvroute.Router(
+        1, "lmetric", block_size=BLOCK_SIZE, cache_rule="vllm", cache_view="events"
+    )
+    with Subscriber(router) as sub:
+        sub.watch(0, sources)
+        time.sleep(0.5)  # the SUB socket's subscription reaches the engine
+        clear([url])
+        wait_until(lambda: uses_events(router, 0), 30, "the view to be complete")
+        sub.drop_next(0, 2)
+        prompts = [[4000 + i] * 100 for i in range(3)]
+        for p in prompts:
+            completion(url, p)
+        wait_until(
+            lambda: sub.stats()[(0, 0)].replays >= 1 and rank0(router)["blocks_indexed"] >= 9,
+            30,
+            "replay",
+        )
+        assert uses_events(router, 0) and rank0(router)["replayed_batches"] >= 2
+        for p in prompts:  # every block the engine stored, dropped batches' included
+            keys = kvroute.block_hashes([*p, 1], BLOCK_SIZE)
+            assert (
+                router.estimate_cache_hits(keys, len(p) + 1) == [completion(url, [*p, 1])] == [96]
+            )
+
+    # Without the replay socket the same loss degrades the view: the estimate until a clear.
+    router = kvroute.Router(
+        1, "lmetric", block_size=BLOCK_SIZE, cache_rule="vllm", cache_view="events"
+    )
+    with Subscriber(router) as sub:
+        sub.watch(0, [Source(0, sources[0].endpoint, None, sources[0].topic)])
+        time.sleep(0.5)
+        clear([url])
+        wait_until(lambda: uses_events(router, 0), 30, "the view to be complete")
+        sub.drop_next(0, 1)
+        completion(url, [5000] * 100)
+        completion(url, [5001] * 100)
+        wait_until(lambda: rank0(router).get("state") == "degraded", 30, "a degraded view")
+        assert "no replay socket" in rank0(router)["reason"] and not uses_events(router, 0)
+        clear([url])
+        wait_until(lambda: uses_events(router, 0), 30, "whole again after the clear")
