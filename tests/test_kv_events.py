@@ -46,10 +46,11 @@ def pub() -> Iterator[FakePublisher]:
         yield p
 
 
-def subscribe(r: kvroute.Router, pub: FakePublisher, **kw: float) -> Subscriber:
-    sub = Subscriber(r, **kw)
+def subscribe(r: kvroute.Router, pub: FakePublisher, nth: int = 1) -> Subscriber:
+    """A subscriber of ``r`` to ``pub`` (its ``nth`` subscriber), once subscribed."""
+    sub = Subscriber(r)
     sub.watch(0, [Source(0, pub.endpoint, pub.replay_endpoint)])
-    assert pub.wait_for_subscribers(1, timeout=3.0)
+    assert pub.wait_for_subscribers(nth, timeout=3.0)
     return sub
 
 
@@ -281,3 +282,38 @@ def test_the_kv_events_command_prints_a_summary(pub: FakePublisher) -> None:
         1,
     )
     assert last["last_seq"] == 3
+
+
+def test_two_replicas_hold_the_same_view(pub: FakePublisher) -> None:
+    """Two routers (two proxy replicas) subscribed to one engine: the same blocks, and each
+    reports the last sequence number it applied; one that joined late catches up by replay."""
+    first = router()
+    with subscribe(first, pub):
+        chain(pub)
+        until(lambda: rank0(first).get("last_seq") == 1)
+        second = router()
+        with subscribe(second, pub, nth=2):
+            pub.publish([removed([3]), stored([8], None, TOKENS[4:8], BS)])
+            until(lambda: rank0(second).get("last_seq") == rank0(first).get("last_seq") == 2)
+            assert hits(first) == hits(second) == [8]
+            other = [*TOKENS[4:8], 0]
+            assert first.estimate_cache_hits(kvroute.block_hashes(other, BS), 5) == [4]
+            assert second.estimate_cache_hits(kvroute.block_hashes(other, BS), 5) == [4]
+            assert rank0(second)["replayed_batches"] == 2
+
+
+def test_the_proxy_reads_each_engines_kv_capacity() -> None:
+    from kvroute.proxy.caches import kv_capacity
+    from livekit import Stack, wait_until
+
+    text = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",num_gpu_blocks="512",swap_space="0"} 1.0\n'
+    )
+    assert kv_capacity(text) == (512, 32)
+    assert kv_capacity("vllm:num_requests_running 0\n") is None
+    with Stack(2) as s:  # emulators: no KV events, so the estimate, bounded
+        wait_until(lambda: len(s.proxy.caches.found) == 2, 10, "both backends probed")
+        for i, e in enumerate(s.emulators):
+            blocks = int(e.engine.stats()["num_gpu_blocks"])
+            assert s.proxy.caches.found[i]["capacity"] == (blocks, e.block_size)

@@ -14,7 +14,7 @@ import pytest
 import kvroute
 from kvroute.kv_events import Source, Subscriber, event_sources
 from livekit import http, wait_until
-from realvllm import BLOCK_SIZE, MODEL_NAME, Engines
+from realvllm import BLOCK_SIZE, MODEL_NAME, SMALL_KV_CACHE_BYTES, Engines
 from test_real_vllm import RealStack
 
 pytestmark = pytest.mark.vllm
@@ -39,13 +39,19 @@ def tokenize(url: str, body: dict[str, Any]) -> list[int]:
     return list(json.loads(raw)["tokens"])
 
 
-def clear(urls: list[str], via: str | None = None) -> None:
-    """Reset the engines' prefix caches (through the proxy ``via``, or each directly) and run
-    one step on each: vLLM publishes the ``AllBlocksCleared`` with its next step's batch."""
-    for target in [via] if via else urls:
-        assert http("POST", target + "/reset_prefix_cache", b"")[0] == 200
-    for url in urls:
-        completion(url, [1, 2])
+def clear(router: kvroute.Router, urls: list[str], via: str | None = None) -> None:
+    """Reset the engines' prefix caches (through the proxy ``via``, or each directly) until
+    the router's views of them are complete. vLLM publishes the ``AllBlocksCleared`` with its
+    next step's batch, so one step runs on each engine after the reset; a subscriber that was
+    not listening yet catches the next round."""
+    deadline = time.monotonic() + 30
+    while not all(uses_events(router, i) for i in range(len(urls))):
+        assert time.monotonic() < deadline, "timed out waiting for complete views"
+        for target in [via] if via else urls:
+            assert http("POST", target + "/reset_prefix_cache", b"")[0] == 200
+        for url in urls:
+            completion(url, [1, 2])
+        time.sleep(0.3)
 
 
 def test_the_events_view_is_exact_while_an_engine_evicts(engines: Engines) -> None:
@@ -56,8 +62,9 @@ def test_the_events_view_is_exact_while_an_engine_evicts(engines: Engines) -> No
     with RealStack(engines, policy="round_robin") as s:
         router = s.proxy.router
         assert router.cache_view == "events"
-        clear(engines.urls, s.url)
-        wait_until(lambda: uses_events(router, 0) and uses_events(router, 1), 30, "both views")
+        clear(router, engines.urls, s.url)
+        blocks, size = s.proxy.caches.found[1]["capacity"]  # its estimate's bound
+        assert size == BLOCK_SIZE and 0 < blocks * size <= SMALL_KV_CACHE_BYTES // 2048
         # Seven chats: round robin sends each turn of a chat to the other engine.
         chats = {i: [{"role": "system", "content": text(i, 1200)}] for i in range(7)}
         for turn in range(3):
@@ -120,9 +127,7 @@ def test_gaps_are_replayed_from_a_real_replay_socket(engines: Engines) -> None:
     )
     with Subscriber(router) as sub:
         sub.watch(0, sources)
-        time.sleep(0.5)  # the SUB socket's subscription reaches the engine
-        clear([url])
-        wait_until(lambda: uses_events(router, 0), 30, "the view to be complete")
+        clear(router, [url])
         sub.drop_next(0, 2)
         prompts = [[4000 + i] * 100 for i in range(3)]
         for p in prompts:
@@ -145,13 +150,10 @@ def test_gaps_are_replayed_from_a_real_replay_socket(engines: Engines) -> None:
     )
     with Subscriber(router) as sub:
         sub.watch(0, [Source(0, sources[0].endpoint, None, sources[0].topic)])
-        time.sleep(0.5)
-        clear([url])
-        wait_until(lambda: uses_events(router, 0), 30, "the view to be complete")
+        clear(router, [url])
         sub.drop_next(0, 1)
         completion(url, [5000] * 100)
         completion(url, [5001] * 100)
         wait_until(lambda: rank0(router).get("state") == "degraded", 30, "a degraded view")
         assert "no replay socket" in rank0(router)["reason"] and not uses_events(router, 0)
-        clear([url])
-        wait_until(lambda: uses_events(router, 0), 30, "whole again after the clear")
+        clear(router, [url])  # whole again after a clear

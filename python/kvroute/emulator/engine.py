@@ -182,6 +182,7 @@ class SimpleEngine:
             "prefix_queries_tokens": float(self.prefix_queries),
             "prefix_hits_tokens": float(self.prefix_hits),
             "cached_blocks": float(len(self._lru)),
+            "num_gpu_blocks": float(cap),
         }
 
     # -- internals -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The emulator's Prometheus metrics, under vLLM's names (V1 engine, plus the V0 cache gauge).
 
+``vllm:cache_config_info`` names the KV capacity (``num_gpu_blocks``, ``block_size``).
 Gauges (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` and its V0 name ``vllm:gpu_cache_usage_perc``) and the
 prefix-cache counters (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
@@ -26,13 +27,22 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model: str, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, model: str, stats: Callable[[], dict[str, float]], block_size: int) -> None:
         self._model = model
         self._stats = stats
+        self._block_size = block_size
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
         labels = ["model_name"]
+        # vLLM's cache-config info gauge: its KV capacity in blocks, and their size.
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig.",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(self._block_size), str(int(s.get("num_gpu_blocks", 0)))], 1.0)
+        yield info
         for name, key, doc in (
             ("vllm:num_requests_running", "running", "Requests in model execution batches."),
             ("vllm:num_requests_waiting", "waiting", "Requests waiting to be processed."),
@@ -54,9 +64,11 @@ class _EngineCollector(Collector):
 class EmulatorMetrics:
     """The metrics of one emulator server."""
 
-    def __init__(self, model: str, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self, model: str, stats: Callable[[], dict[str, float]], block_size: int
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(model, stats))
+        self.registry.register(_EngineCollector(model, stats, block_size))
         reg = self.registry
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", ["model_name"], registry=reg

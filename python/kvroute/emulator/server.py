@@ -109,7 +109,7 @@ class Emulator:
         self.faults = config.faults
         self.engine, self.block_size, self.max_model_len = make_engine(config)
         self.tokenizer = BuiltinTokenizer()
-        self.metrics = EmulatorMetrics(config.model, self.engine.stats)
+        self.metrics = EmulatorMetrics(config.model, self.engine.stats, self.block_size)
         self._ids = itertools.count()
         self._driver: Driver | None = None
 

@@ -88,4 +88,5 @@ class SimEngine:
             "prefix_queries_tokens": float(s["prefix_cache_queries"]),
             "prefix_hits_tokens": float(s["prefix_cache_hits"]),
             "cached_blocks": float(s["kv_cached_blocks"]),
+            "num_gpu_blocks": float(s["kv_total_blocks"]),
         }

@@ -24,8 +24,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kvroute_core::cache::{ClusterCache, PrefixWalk};
-use kvroute_core::keys::chain_ids;
-use kvroute_core::{Id, Policy, Router, RouterConfig};
+use kvroute_core::events::{EventBatch, KvEvent, StoredBlocks};
+use kvroute_core::keys::{block_hashes_u32, chain_ids};
+use kvroute_core::{CacheView, Id, Policy, Router, RouterConfig};
 
 /// Tokens per block, the default of `kvroute.Router`.
 pub const BLOCK_SIZE: u64 = 512;
@@ -68,6 +69,33 @@ pub fn session_chain(s: usize, len: usize, shared: usize) -> Vec<u64> {
     chain_ids(&contents)
 }
 
+/// [`session_chain`] as token blocks: the keys `block_hashes` gives session `s`'s first `len`
+/// blocks of `BLOCK_SIZE` tokens, and those tokens. Block contents are as in `session_chain`.
+pub fn session_tokens(s: usize, len: usize, shared: usize) -> (Vec<u64>, Vec<u32>) {
+    let contents = session_chain(s, len, shared); // distinct per block, shared where it should be
+    let tokens: Vec<u32> = contents
+        .iter()
+        .flat_map(|&c| (0..BLOCK_SIZE as u32).map(move |t| (c as u32) ^ t.wrapping_mul(0x9E37_79B9)))
+        .collect();
+    (block_hashes_u32(&tokens, BLOCK_SIZE as usize), tokens)
+}
+
+/// The batch an engine publishes after storing blocks `from..to` of session `s` (engine
+/// hashes: the keys salted with the instance, as another engine's hash function would give).
+pub fn stored_batch(s: usize, keys: usize, shared: usize, inst: usize, from: usize, to: usize) -> EventBatch {
+    let (chain, tokens) = session_tokens(s, keys, shared);
+    let salt = mix(inst as u64 + 1);
+    let bs = BLOCK_SIZE as usize;
+    let event = KvEvent::Stored(StoredBlocks {
+        hashes: chain[from..to].iter().map(|k| k ^ salt).collect(),
+        parent: from.checked_sub(1).map(|p| chain[p] ^ salt),
+        token_ids: tokens[from * bs..to * bs].to_vec(),
+        block_size: BLOCK_SIZE as u32,
+        ignored: None,
+    });
+    EventBatch { ts: 0.0, events: if from < to { vec![event] } else { vec![] }, rank: 0 }
+}
+
 /// Blocks of the shared system prompt for requests of `keys` keys.
 pub fn shared_blocks(keys: usize) -> usize {
     (keys / 4).min(4)
@@ -94,20 +122,51 @@ impl WarmRouter {
     /// keys: a session's prefix is touched once per cycle over the sessions, and the cache
     /// keeps every key touched in the last cycle.
     pub fn new(instances: usize, keys: usize, policy: Policy) -> Self {
+        Self::with_view(instances, keys, policy, CacheView::Estimate)
+    }
+
+    /// [`WarmRouter::new`] with `view`. With the events view, the sessions' blocks are token
+    /// blocks (so that events can carry them), each warm-up route is followed by the batch
+    /// its engine would publish (a `BlockStored` of the blocks it did not hold), and routed
+    /// blocks stay pending for 50 ms (about a prefill: confirmed or forgotten by then).
+    pub fn with_view(instances: usize, keys: usize, policy: Policy, view: CacheView) -> Self {
         assert!(keys >= 2, "a request needs a prefix and one new block");
-        let probe = Self::warmed(instances, keys, policy, None);
+        let probe = Self::warmed(instances, keys, policy, None, view);
         let max = probe.router.state().iter().map(|s| s.cached_blocks).max().unwrap_or(0);
         // Slack independent of the instance count, so stale keys do not pile up with it.
         let capacity = max + 2 * max.div_ceil(keys - 1) + 8;
-        Self::warmed(instances, keys, policy, Some(capacity))
+        Self::warmed(instances, keys, policy, Some(capacity), view)
     }
 
-    fn warmed(instances: usize, keys: usize, policy: Policy, capacity: Option<usize>) -> Self {
+    fn warmed(
+        instances: usize,
+        keys: usize,
+        policy: Policy,
+        capacity: Option<usize>,
+        view: CacheView,
+    ) -> Self {
         let sessions = sessions_for(instances);
         let shared = shared_blocks(keys);
-        let config = RouterConfig { cache_capacity_blocks: capacity, ..RouterConfig::default() };
+        let config = RouterConfig {
+            cache_capacity_blocks: capacity,
+            cache_view: view,
+            pending_ttl: Duration::from_millis(50),
+            ..RouterConfig::default()
+        };
         let mut router = Router::new(instances, policy, config).expect("valid config");
-        let chains: Vec<Vec<u64>> = (0..sessions).map(|s| session_chain(s, keys, shared)).collect();
+        let events = view == CacheView::Events;
+        let mut seqs = vec![0u64; instances];
+        if events {
+            for (i, seq) in seqs.iter_mut().enumerate() {
+                router
+                    .apply_kv_events(i as i64, 0, &EventBatch { ts: 0.0, events: vec![], rank: 0 }, false)
+                    .expect("instance");
+                *seq = 1;
+            }
+        }
+        let chains: Vec<Vec<u64>> = (0..sessions)
+            .map(|s| if events { session_tokens(s, keys, shared).0 } else { session_chain(s, keys, shared) })
+            .collect();
         let mut next_id: i64 = 0;
         // Background first, so the warm-up already sees non-zero loads (with all loads at
         // zero, `lmetric` would put every session on instance 0).
@@ -131,9 +190,18 @@ impl WarmRouter {
                 let id = Id::Int(next_id);
                 next_id += 1;
                 let len = cut as u64 * BLOCK_SIZE;
-                router
+                let held = router.estimate_cache_hits_in(&chain[..cut], len, Some(CacheView::Events));
+                let d = router
                     .route(id.clone(), &chain[..cut], len, Some(&Id::Int(s as i64)))
                     .expect("warm-up route");
+                if events {
+                    let from = (held[d.instance] / BLOCK_SIZE) as usize;
+                    let batch = stored_batch(s, keys, shared, d.instance, from, cut);
+                    router
+                        .apply_kv_events(d.instance as i64, seqs[d.instance], &batch, false)
+                        .expect("apply");
+                    seqs[d.instance] += 1;
+                }
                 window.push_back(id);
                 if window.len() > instances {
                     router.finish(&window.pop_front().expect("non-empty"));

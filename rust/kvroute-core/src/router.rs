@@ -504,13 +504,17 @@ impl Router {
     }
 
     /// Bound `instance`'s estimate view to `capacity` blocks (`None`: unbounded), such as its
-    /// engine's real KV capacity; its least recently touched blocks beyond it are evicted.
+    /// engine's real KV capacity; its least recently touched blocks beyond it are evicted. The
+    /// events view sizes its tables for it.
     pub fn set_cache_capacity(&mut self, instance: i64, capacity: Option<usize>) -> Result<()> {
         let i = self.check_instance(instance)?;
         if capacity == Some(0) {
             return Err(Error::InvalidArgument("a cache capacity must be positive or None, got 0".into()));
         }
         self.cache.lock().set_capacity(i, capacity);
+        if let (Some(e), Some(blocks)) = (&mut self.events, capacity) {
+            e.reserve(i, blocks);
+        }
         Ok(())
     }
 

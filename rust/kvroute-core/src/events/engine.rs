@@ -17,9 +17,9 @@
 use rustc_hash::FxHashMap;
 
 use super::index::ClusterIndex;
+use super::table::Table;
 use super::view::Pending;
 use super::{EventBatch, KvEvent, StoredBlocks};
-use crate::index::KeyIndex;
 use crate::keys::{hash_block, ROOT_SEED};
 
 /// Whether a rank's view is exact (docs: the module doc).
@@ -103,15 +103,17 @@ pub struct RankReport {
 #[derive(Debug, Clone)]
 pub(crate) struct RankView {
     /// Engine hash -> kvroute key of every block held.
-    hashes: KeyIndex<u64>,
+    hashes: Table<u64>,
     /// Engine hashes held by more than one physical block: the copies beyond the first.
     copies: FxHashMap<u64, u32>,
     next_seq: Option<u64>,
     pub report: RankReport,
+    capacity: usize,
 }
 
 impl RankView {
-    pub fn new(rank: u32) -> Self {
+    /// A rank's view sized for `capacity` blocks (its engine's KV capacity, if known).
+    pub fn new(rank: u32, capacity: usize) -> Self {
         let report = RankReport {
             rank,
             state: ViewState::Awaiting,
@@ -131,7 +133,8 @@ impl RankView {
             lag_s: 0.0,
             memory_bytes: 0,
         };
-        Self { hashes: KeyIndex::default(), copies: FxHashMap::default(), next_seq: None, report }
+        let hashes = Table::with_capacity(capacity);
+        Self { hashes, copies: FxHashMap::default(), next_seq: None, report, capacity }
     }
 
     pub fn state(&self) -> &ViewState {
@@ -277,7 +280,7 @@ impl RankView {
         for (_, key) in self.hashes.iter() {
             ix.remove(key, inst);
         }
-        self.hashes = KeyIndex::default();
+        self.hashes = Table::with_capacity(self.capacity);
         self.copies.clear();
         self.report.blocks_indexed = 0;
     }

@@ -4,26 +4,17 @@
 //!
 //! One walk over a request's keys gives every instance's matched prefix, as the estimate
 //! view's walk does (`cache.rs`): O(instances + Σ holders of walked keys). Adding or removing
-//! a membership is O(holders of that key). A key with one holder keeps it inline in its
-//! 16-byte bucket; a key with several points into a side table of holder lists.
+//! a membership is O(holders of that key). A key with one holder of one membership keeps it
+//! inline in its 12-byte bucket (`table.rs`); any other key points into a side table of
+//! holder lists `(instance, memberships)`.
 //!
 //! Not synchronised: the router owns it behind its lock.
 
-use crate::index::{IndexValue, KeyIndex};
+use super::table::Table;
 
-/// `Holders::inst` of a key with several holders: `count` then indexes the list table.
-const MANY: u32 = u32::MAX;
-
-/// The holders of one key: `(inst, count)` inline, or a list (`inst == MANY`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holders {
-    inst: u32,
-    count: u32,
-}
-
-impl IndexValue for Holders {
-    const VACANT: Self = Holders { inst: crate::index::VACANT, count: 0 };
-}
+/// A key's value at or above this is `LIST + index` into the holder lists; below it, the one
+/// instance that holds the key once.
+const LIST: u32 = 1 << 31;
 
 /// How far ahead of its lookups the walk prefetches index buckets.
 const PREFETCH_AHEAD: usize = 8;
@@ -31,7 +22,7 @@ const PREFETCH_AHEAD: usize = 8;
 /// Memberships of keys on instances, walked once per request.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ClusterIndex {
-    keys: KeyIndex<Holders>,
+    keys: Table<u32>,
     /// Holder lists `(inst, count)` of keys with several holders; `free` lists unused ones.
     many: Vec<Vec<(u32, u32)>>,
     free: Vec<u32>,
@@ -63,35 +54,43 @@ impl ClusterIndex {
         self.keys.memory_bytes() + lists + self.free.capacity() * 4 + self.held.capacity() * 8
     }
 
+    /// Make room for `n` distinct keys.
+    pub fn reserve(&mut self, n: usize) {
+        self.keys.reserve(n);
+    }
+
+    /// A new holder list; its index as a key's value.
+    fn new_list(&mut self, list: Vec<(u32, u32)>) -> u32 {
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.many[at as usize] = list;
+                at
+            }
+            None => {
+                self.many.push(list);
+                u32::try_from(self.many.len() - 1).ok().filter(|&a| a < LIST - 1).expect("2^31 shared keys")
+            }
+        };
+        LIST + at
+    }
+
     /// One more membership of `key` on `inst`.
     pub fn add(&mut self, key: u64, inst: usize) {
         let i = inst as u32;
-        let Some(h) = self.keys.get_mut(key) else {
-            self.keys.insert(key, Holders { inst: i, count: 1 });
+        debug_assert!(i < LIST);
+        let Some(v) = self.keys.get(key) else {
+            self.keys.insert(key, i);
             self.held[inst] += 1;
             return;
         };
-        if h.inst == i {
-            h.count += 1;
+        if v < LIST {
+            let list = if v == i { vec![(i, 2)] } else { vec![(v, 1), (i, 1)] };
+            self.held[inst] += usize::from(v != i);
+            let at = self.new_list(list);
+            self.keys.insert(key, at);
             return;
         }
-        if h.inst != MANY {
-            let list = vec![(h.inst, h.count), (i, 1)];
-            let at = match self.free.pop() {
-                Some(at) => {
-                    self.many[at as usize] = list;
-                    at
-                }
-                None => {
-                    self.many.push(list);
-                    u32::try_from(self.many.len() - 1).expect("more than 2^32 shared keys")
-                }
-            };
-            *h = Holders { inst: MANY, count: at };
-            self.held[inst] += 1;
-            return;
-        }
-        let list = &mut self.many[h.count as usize];
+        let list = &mut self.many[(v - LIST) as usize];
         match list.iter_mut().find(|(x, _)| *x == i) {
             Some((_, c)) => *c += 1,
             None => {
@@ -104,43 +103,49 @@ impl ClusterIndex {
     /// One membership less of `key` on `inst` (none to take: no change).
     pub fn remove(&mut self, key: u64, inst: usize) {
         let i = inst as u32;
-        let Some(h) = self.keys.get_mut(key) else {
+        let Some(v) = self.keys.get(key) else {
             return;
         };
-        if h.inst == i {
-            h.count -= 1;
-            if h.count == 0 {
+        if v < LIST {
+            if v == i {
                 self.keys.remove(key);
                 self.held[inst] -= 1;
             }
             return;
         }
-        if h.inst != MANY {
-            return;
-        }
-        let at = h.count;
+        let at = v - LIST;
         let list = &mut self.many[at as usize];
         let Some(pos) = list.iter().position(|&(x, _)| x == i) else {
             return;
         };
         list[pos].1 -= 1;
-        if list[pos].1 > 0 {
+        if list[pos].1 > 0 && list.len() > 1 {
             return;
         }
-        list.swap_remove(pos);
-        self.held[inst] -= 1;
-        if let [(x, c)] = list[..] {
-            list.clear();
-            self.free.push(at);
-            *h = Holders { inst: x, count: c };
+        if list[pos].1 == 0 {
+            list.swap_remove(pos);
+            self.held[inst] -= 1;
+        }
+        // Back inline when one holder of one membership is left; gone when none is.
+        match list[..] {
+            [] => {
+                self.free.push(at);
+                self.keys.remove(key);
+            }
+            [(x, 1)] => {
+                list.clear();
+                self.free.push(at);
+                self.keys.insert(key, x);
+            }
+            _ => {}
         }
     }
 
     /// Whether `inst` holds `key`.
     pub fn holds(&self, key: u64, inst: usize) -> bool {
         let i = inst as u32;
-        self.keys.get(key).is_some_and(|h| {
-            h.inst == i || (h.inst == MANY && self.many[h.count as usize].iter().any(|&(x, _)| x == i))
+        self.keys.get(key).is_some_and(|v| {
+            v == i || (v >= LIST && self.many[(v - LIST) as usize].iter().any(|&(x, _)| x == i))
         })
     }
 
@@ -153,7 +158,7 @@ impl ClusterIndex {
             if let Some(&ahead) = keys.get(pos + PREFETCH_AHEAD) {
                 self.keys.prefetch(ahead);
             }
-            let Some(h) = self.keys.get(key) else {
+            let Some(v) = self.keys.get(key) else {
                 break;
             };
             let pos = pos as u32;
@@ -163,10 +168,10 @@ impl ClusterIndex {
                 *m += u32::from(hit);
                 hit
             };
-            let advanced = if h.inst == MANY {
-                self.many[h.count as usize].iter().fold(false, |any, &(i, _)| advance(i) | any)
+            let advanced = if v >= LIST {
+                self.many[(v - LIST) as usize].iter().fold(false, |any, &(i, _)| advance(i) | any)
             } else {
-                advance(h.inst)
+                advance(v)
             };
             if !advanced {
                 break;

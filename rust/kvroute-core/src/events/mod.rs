@@ -19,6 +19,7 @@
 pub mod decode;
 mod engine;
 mod index;
+mod table;
 mod view;
 
 pub use engine::{Outcome, RankReport, ViewState};

@@ -113,6 +113,8 @@ pub struct EventView {
     uses: Vec<bool>,
     pending: Pending,
     block_size: u64,
+    /// Per instance, the blocks its engine can hold (0: unknown), to size its tables.
+    capacities: Vec<usize>,
 }
 
 impl EventView {
@@ -131,6 +133,7 @@ impl EventView {
             uses: Vec::new(),
             pending,
             block_size,
+            capacities: Vec::new(),
         };
         (0..instances).for_each(|_| view.add_instance());
         view
@@ -140,8 +143,16 @@ impl EventView {
     pub fn add_instance(&mut self) {
         self.engines.push(Vec::new());
         self.uses.push(false);
+        self.capacities.push(0);
         self.pending.marks.push(KeyIndex::default());
         self.index.grow_to(self.engines.len());
+    }
+
+    /// `inst`'s engine holds at most `blocks` blocks (its KV capacity): size its tables, and
+    /// the cluster index, for that many, so that they do not rehash while the engine fills.
+    pub fn reserve(&mut self, inst: usize, blocks: usize) {
+        self.capacities[inst] = blocks;
+        self.index.reserve(self.capacities.iter().sum());
     }
 
     /// Whether routing reads this view for `inst`: it has events and every rank is complete.
@@ -172,7 +183,7 @@ impl EventView {
         self.pending.expire(&mut self.index);
         let block_size = self.block_size;
         let Self { index, engines, pending, .. } = self;
-        let view = rank_view(&mut engines[inst], batch.rank);
+        let view = rank_view(&mut engines[inst], batch.rank, self.capacities[inst]);
         let resets = view.report.resets;
         let applied = match view.check(seq, replayed, inst, index) {
             Some(outcome) => Applied { outcome, reset: view.report.resets > resets, degraded: false },
@@ -188,7 +199,7 @@ impl EventView {
     /// The batches `inst`'s `rank` missed cannot be replayed: degrade its view and take its
     /// next batch as a new start.
     pub fn resync(&mut self, inst: usize, rank: u32, reason: String) {
-        rank_view(&mut self.engines[inst], rank).resync(reason, inst, &mut self.index);
+        rank_view(&mut self.engines[inst], rank, self.capacities[inst]).resync(reason, inst, &mut self.index);
         self.refresh(inst);
     }
 
@@ -247,12 +258,13 @@ impl EventView {
     }
 }
 
-/// The view of `rank` among an instance's ranks (sorted by rank), added if new.
-fn rank_view(ranks: &mut Vec<RankView>, rank: u32) -> &mut RankView {
+/// The view of `rank` among an instance's ranks (sorted by rank), added if new (sized for
+/// `capacity` blocks).
+fn rank_view(ranks: &mut Vec<RankView>, rank: u32, capacity: usize) -> &mut RankView {
     let at = match ranks.binary_search_by_key(&rank, |r| r.report.rank) {
         Ok(at) => at,
         Err(at) => {
-            ranks.insert(at, RankView::new(rank));
+            ranks.insert(at, RankView::new(rank, capacity));
             at
         }
     };
