@@ -14,7 +14,7 @@ import pytest
 import kvroute
 from kvpub import FakePublisher, cleared, encode_batch, removed, stored
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
-from kvroute.kv_events import Source, Subscriber, Tally, event_sources
+from kvroute.kv_events import Source, SourceStats, Subscriber, Tally, event_sources
 
 BS = 4
 TOKENS = list(range(100, 112))  # three blocks
@@ -317,3 +317,15 @@ def test_the_proxy_reads_each_engines_kv_capacity() -> None:
         for i, e in enumerate(s.emulators):
             blocks = int(e.engine.stats()["num_gpu_blocks"])
             assert s.proxy.caches.found[i]["capacity"] == (blocks, e.block_size)
+
+
+def test_a_bad_endpoint_or_instance_does_not_stop_the_subscriber(pub: FakePublisher) -> None:
+    r = router()
+    with Subscriber(r) as sub:
+        sub.watch(5, [Source(0, "tcp://no-such-host.invalid:1", bind=True)])  # cannot bind
+        sub.watch(7, [Source(0, pub.endpoint)])  # no instance 7: every batch is an error
+        sub.watch(0, [Source(0, pub.endpoint, pub.replay_endpoint)])
+        assert pub.wait_for_subscribers(2, 3.0)
+        chain(pub)
+        until(lambda: hits(r) == [12])
+        until(lambda: sub.stats().get((7, 0), SourceStats()).decode_errors >= 1)

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import zmq
 
 import kvroute
-from kvroute.errors import InvalidArgumentError
+from kvroute.errors import InvalidArgumentError, KvrouteError
 
 if TYPE_CHECKING:
     from kvroute._core import KvApplied
@@ -190,7 +190,10 @@ class Subscriber:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._message(sub, frames)
+                    try:
+                        self._message(sub, frames)
+                    except Exception as exc:  # the thread must outlive any one message
+                        self._bad(sub, None, f"{type(exc).__name__}: {exc}")
         for subs in self._subs.values():
             for sub in subs:
                 sub.socket.close(linger=0)
@@ -212,7 +215,17 @@ class Subscriber:
                     by_socket.pop(sub.socket, None)
                     sub.socket.close(linger=0)
                 if what == "watch":
-                    subs = [self._open(instance, s) for s in arg]
+                    subs = []
+                    for source in arg:
+                        try:
+                            subs.append(self._open(instance, source))
+                        except zmq.ZMQError as exc:
+                            log.error(
+                                "instance %d: cannot listen to %s: %s",
+                                instance,
+                                source.endpoint,
+                                exc,
+                            )
                     self._subs[instance] = subs
                     for sub in subs:
                         poller.register(sub.socket, zmq.POLLIN)
@@ -286,7 +299,10 @@ class Subscriber:
 
     def _resync(self, sub: _Sub, reason: str) -> None:
         log.warning("instance %d rank %d: view degraded: %s", sub.instance, sub.source.rank, reason)
-        self.router.kv_resync(sub.instance, sub.source.rank, reason)
+        try:
+            self.router.kv_resync(sub.instance, sub.source.rank, reason)
+        except KvrouteError as exc:
+            log.error("instance %d: %s", sub.instance, exc)
 
     def _repair(self, sub: _Sub, expected: int, seq: int, payload: bytes) -> None:
         """Batches ``expected..seq-1`` are missing: replay them, or degrade; then apply

@@ -64,9 +64,7 @@ class _EngineCollector(Collector):
 class EmulatorMetrics:
     """The metrics of one emulator server."""
 
-    def __init__(
-        self, model: str, stats: Callable[[], dict[str, float]], block_size: int
-    ) -> None:
+    def __init__(self, model: str, stats: Callable[[], dict[str, float]], block_size: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(model, stats, block_size))
         reg = self.registry
