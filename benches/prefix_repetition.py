@@ -136,10 +136,15 @@ def main() -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--views", default=",".join(VIEWS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--router-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a router keyword for every run (value read as JSON), e.g. overlap_weight=4",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     ports = realvllm.free_ports(4)
     small = ["--kv-cache-memory-bytes", str(realvllm.SMALL_KV_CACHE_BYTES)]
+    extra = {k: json.loads(v) for k, _, v in (o.partition("=") for o in args.router_option)}
     rows = []
     with tempfile.TemporaryDirectory() as logs:
         engines = realvllm.start_engines(
@@ -148,7 +153,8 @@ def main() -> int:
         try:
             for policy in args.policies.split(","):
                 for name in args.views.split(","):
-                    row = {"view": name, **run_one(engines, policy, VIEWS[name], args.seed)}
+                    result = run_one(engines, policy, VIEWS[name], args.seed, extra)
+                    row = {"view": name, **result, **extra}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:

@@ -248,6 +248,7 @@ class ReferenceRouter:
                 "ongoing_decode_tokens": inst.ongoing_decode_tokens,
                 "cached_blocks": len(inst.cache),
                 "available": inst.available,
+                "cache_view": "estimate",
             }
             for inst in self.instances
         ]

@@ -84,6 +84,7 @@ def test_batches_are_applied_in_order(pub: FakePublisher, encoding: str) -> None
         until(lambda: hits(r) == [0, 0])
     view = r.kv_view(0)
     assert view is not None and view["uses_events"] and view["ranks"][0]["last_seq"] == 3
+    assert [s["cache_view"] for s in r.state()] == ["events", "estimate"]
 
 
 def test_a_gap_is_repaired_from_the_replay_socket(pub: FakePublisher) -> None:
@@ -116,7 +117,7 @@ def test_without_replay_a_gap_degrades_the_view_until_a_clear() -> None:
     with FakePublisher(replay=False) as pub, subscribe(r, pub):
         pub.publish([stored([1], None, TOKENS[:4], BS)])
         until(lambda: hits(r) == [4])
-        r.route("a", keys(12), 12)  # the estimate view: the whole prompt
+        r.route("a", keys(12), 12)  # pending in the events view
         pub.drop_next(1)
         pub.publish([removed([1])])
         pub.publish([stored([1, 2], None, TOKENS[:8], BS)])
@@ -124,7 +125,9 @@ def test_without_replay_a_gap_degrades_the_view_until_a_clear() -> None:
         view = r.kv_view(0)
         assert view is not None and not view["uses_events"]
         assert "no replay socket" in (view["ranks"][0]["reason"] or "")
-        assert hits(r) == [12], "routed on the estimate view while degraded"
+        assert r.state()[0]["cache_view"] == "degraded"
+        # Routed on the estimate, which takes over from the events view's last blocks.
+        assert hits(r) == [4], "routed on the estimate view while degraded"
         pub.publish([cleared(), stored([5], None, TOKENS[:4], BS)])
         until(lambda: state(r) == "complete")
         assert hits(r) == [4]

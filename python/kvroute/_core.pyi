@@ -18,6 +18,7 @@ __all__ = [
     "ceilings",
     "chain_ids",
     "chain_ids_lists",
+    "decode_kv_events",
     "engine_params",
     "engine_presets",
     "policies",
@@ -48,6 +49,7 @@ class InstanceState(TypedDict):
     ongoing_decode_tokens: int
     cached_blocks: int
     available: bool
+    cache_view: Literal["estimate", "events", "degraded"]
 
 class RouteInfo(TypedDict):
     instance: int
@@ -71,7 +73,6 @@ def sequence_keys(
 ) -> npt.NDArray[np.uint64]: ...
 def prompt_ids(body: bytes) -> tuple[npt.NDArray[np.uint32], int, int] | None: ...
 
-@final
 class KvBatchSummary(TypedDict):
     ts: float
     rank: int
@@ -115,6 +116,7 @@ class KvView(TypedDict):
     pending: int
     ranks: list[KvRankView]
 
+@final
 class Router:
     def __new__(
         cls,

@@ -74,7 +74,8 @@ fn payload() -> Vec<u8> {
     b.extend(b"BlockStored");
     b.push(0xac);
     b.extend(b"block_hashes");
-    b.push(0x90 | PER_BATCH as u8);
+    b.push(0xdc); // array16 (a fixarray holds at most 15)
+    b.extend((PER_BATCH as u16).to_be_bytes());
     for i in 0..PER_BATCH {
         b.push(0xcf);
         b.extend(mix(i as u64).to_be_bytes());

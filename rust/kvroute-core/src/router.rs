@@ -181,8 +181,11 @@ pub struct Decision {
 pub struct InstanceState {
     /// The counters.
     pub load: InstanceLoad,
-    /// Keys resident in its cache model.
+    /// Keys resident in the cache view routing reads for it.
     pub cached_blocks: usize,
+    /// That view: `"estimate"`, `"events"`, or `"degraded"` (the events view is not whole:
+    /// the estimate).
+    pub cache_view: &'static str,
 }
 
 #[derive(Debug, Clone)]
@@ -339,9 +342,10 @@ impl Router {
         self.available_totals.0 += 1; // a picked instance is available
         load.ongoing_tokens = ongoing;
         load.pending_prefill_tokens = pending;
-        self.cache.touch(instance, &keys[..stored], &mut self.walk);
-        if let Some(e) = self.events.as_mut().filter(|e| e.uses_events(instance)) {
-            e.predict(instance, &keys[..stored]);
+        match self.events.as_mut().filter(|e| e.uses_events(instance)) {
+            // Its matched prefix is held there already; the rest is pending from now.
+            Some(e) => e.predict(instance, &keys[matched.min(stored)..stored]),
+            None => self.cache.touch(instance, &keys[..stored], &mut self.walk),
         }
         if let (Some(s), true) = (session, self.uses_affinity()) {
             self.affinity.set(s, instance);
@@ -376,9 +380,9 @@ impl Router {
             return false;
         };
         self.walk.clear();
-        self.cache.touch(r.instance, keys, &mut self.walk);
-        if let Some(e) = self.events.as_mut().filter(|e| e.uses_events(r.instance)) {
-            e.predict(r.instance, keys);
+        match self.events.as_mut().filter(|e| e.uses_events(r.instance)) {
+            Some(e) => e.predict(r.instance, keys),
+            None => self.cache.touch(r.instance, keys, &mut self.walk),
         }
         true
     }
@@ -457,6 +461,7 @@ impl Router {
                     Some(e) if e.uses_events(i) => e.cached_blocks(i),
                     _ => cache.cached_blocks(i),
                 },
+                cache_view: self.events.as_ref().map_or("estimate", |e| e.source(i)),
             })
             .collect()
     }
@@ -550,7 +555,26 @@ impl Router {
         replayed: bool,
     ) -> Result<Applied> {
         let i = self.check_instance(instance)?;
-        Ok(self.events_mut()?.apply(i, seq, batch, replayed))
+        let applied = self.events_mut()?.apply(i, seq, batch, replayed);
+        if applied.reset {
+            self.cache.lock().clear_instance(i); // a restarted engine holds nothing
+        }
+        if applied.degraded {
+            self.estimate_from_events(i);
+        }
+        Ok(applied)
+    }
+
+    /// The estimate takes over `i`'s routing from the blocks its events view held last (the
+    /// estimate is not kept while the events view is read).
+    fn estimate_from_events(&mut self, i: usize) {
+        let keys = self.events.as_mut().map(|e| e.take_dropped(i)).unwrap_or_default();
+        let mut cache = self.cache.lock();
+        cache.clear_instance(i);
+        let none = PrefixWalk::default();
+        for key in keys {
+            cache.touch_request(i, &[key], &none);
+        }
     }
 
     /// `instance`'s `rank` missed batches that cannot be replayed: its view turns degraded
@@ -558,13 +582,16 @@ impl Router {
     pub fn kv_resync(&mut self, instance: i64, rank: u32, reason: &str) -> Result<()> {
         let i = self.check_instance(instance)?;
         self.events_mut()?.resync(i, rank, reason.to_string());
+        self.estimate_from_events(i);
         Ok(())
     }
 
-    /// `instance`'s engine restarted: drop its events view until its sequence 0 comes.
+    /// `instance`'s engine restarted: drop its events view (and estimate) until its sequence
+    /// 0 comes.
     pub fn kv_reset(&mut self, instance: i64) -> Result<()> {
         let i = self.check_instance(instance)?;
         self.events_mut()?.reset(i);
+        self.cache.lock().clear_instance(i);
         Ok(())
     }
 

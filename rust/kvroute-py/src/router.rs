@@ -176,7 +176,7 @@ impl PyRouter {
     }
 
     /// One dict per instance: num_requests, ongoing_tokens, pending_prefill_tokens,
-    /// ongoing_decode_tokens, cached_blocks, available.
+    /// ongoing_decode_tokens, cached_blocks, available, cache_view.
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let snapshot = self.lock().state();
         snapshot
@@ -189,6 +189,7 @@ impl PyRouter {
                 d.set_item("ongoing_decode_tokens", s.load.ongoing_decode_tokens)?;
                 d.set_item("cached_blocks", s.cached_blocks)?;
                 d.set_item("available", s.load.available)?;
+                d.set_item("cache_view", s.cache_view)?;
                 Ok(d)
             })
             .collect()

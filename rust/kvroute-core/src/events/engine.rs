@@ -109,6 +109,8 @@ pub(crate) struct RankView {
     next_seq: Option<u64>,
     pub report: RankReport,
     capacity: usize,
+    /// The keys this view held when it last degraded, until the router takes them.
+    pub dropped: Vec<u64>,
 }
 
 impl RankView {
@@ -134,7 +136,7 @@ impl RankView {
             memory_bytes: 0,
         };
         let hashes = Table::with_capacity(capacity);
-        Self { hashes, copies: FxHashMap::default(), next_seq: None, report, capacity }
+        Self { hashes, copies: FxHashMap::default(), next_seq: None, report, capacity, dropped: Vec::new() }
     }
 
     pub fn state(&self) -> &ViewState {
@@ -285,8 +287,12 @@ impl RankView {
         self.report.blocks_indexed = 0;
     }
 
-    /// The view cannot be trusted: drop its blocks and mark it degraded.
+    /// The view cannot be trusted: drop its blocks (kept in `dropped` for the router, whose
+    /// estimate takes over from them) and mark it degraded.
     pub fn degrade(&mut self, reason: String, inst: usize, ix: &mut ClusterIndex) {
+        if !matches!(self.report.state, ViewState::Degraded(_)) {
+            self.dropped.extend(self.hashes.iter().map(|(_, key)| key));
+        }
         self.drop_blocks(inst, ix);
         self.report.state = ViewState::Degraded(reason);
     }

@@ -60,42 +60,42 @@ impl ClusterIndex {
     }
 
     /// A new holder list; its index as a key's value.
-    fn new_list(&mut self, list: Vec<(u32, u32)>) -> u32 {
-        let at = match self.free.pop() {
+    fn new_list(many: &mut Vec<Vec<(u32, u32)>>, free: &mut Vec<u32>, list: Vec<(u32, u32)>) -> u32 {
+        let at = match free.pop() {
             Some(at) => {
-                self.many[at as usize] = list;
+                many[at as usize] = list;
                 at
             }
             None => {
-                self.many.push(list);
-                u32::try_from(self.many.len() - 1).ok().filter(|&a| a < LIST - 1).expect("2^31 shared keys")
+                many.push(list);
+                u32::try_from(many.len() - 1).ok().filter(|&a| a < LIST - 1).expect("2^31 shared keys")
             }
         };
         LIST + at
     }
 
-    /// One more membership of `key` on `inst`.
+    /// One more membership of `key` on `inst`. One table probe.
     pub fn add(&mut self, key: u64, inst: usize) {
         let i = inst as u32;
         debug_assert!(i < LIST);
-        let Some(v) = self.keys.get(key) else {
-            self.keys.insert(key, i);
-            self.held[inst] += 1;
-            return;
-        };
-        if v < LIST {
-            let list = if v == i { vec![(i, 2)] } else { vec![(v, 1), (i, 1)] };
-            self.held[inst] += usize::from(v != i);
-            let at = self.new_list(list);
-            self.keys.insert(key, at);
+        let Self { keys, many, free, held } = self;
+        let (v, found) = keys.entry(key, i);
+        if !found {
+            held[inst] += 1;
             return;
         }
-        let list = &mut self.many[(v - LIST) as usize];
+        if *v < LIST {
+            let list = if *v == i { vec![(i, 2)] } else { vec![(*v, 1), (i, 1)] };
+            held[inst] += usize::from(*v != i);
+            *v = Self::new_list(many, free, list);
+            return;
+        }
+        let list = &mut many[(*v - LIST) as usize];
         match list.iter_mut().find(|(x, _)| *x == i) {
             Some((_, c)) => *c += 1,
             None => {
                 list.push((i, 1));
-                self.held[inst] += 1;
+                held[inst] += 1;
             }
         }
     }

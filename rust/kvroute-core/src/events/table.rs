@@ -89,6 +89,16 @@ impl<V: IndexValue> Table<V> {
         self.len += usize::from(!found);
     }
 
+    /// The value of `key`, inserted as `init` if absent, and whether it was present.
+    pub fn entry(&mut self, key: u64, init: V) -> (&mut V, bool) {
+        let (i, found) = self.find_for_insert(key);
+        if !found {
+            (self.keys[i], self.vals[i]) = (key, init);
+            self.len += 1;
+        }
+        (&mut self.vals[i], found)
+    }
+
     /// Insert `key` unless present; returns whether it was inserted.
     pub fn insert_new(&mut self, key: u64, value: V) -> bool {
         let (i, found) = self.find_for_insert(key);

@@ -101,13 +101,13 @@ fn an_unrepairable_view_degrades_until_cleared() {
     let mut r = router(1, 0);
     let t: Vec<u32> = (0..8).collect();
     apply(&mut r, 0, 0, vec![stored(&[1], None, &t[..4])]);
-    r.route(Id::Int(1), &block_hashes_u32(&t, 4), 8, None).unwrap(); // the estimate: both blocks
+    r.route(Id::Int(1), &block_hashes_u32(&t, 4), 8, None).unwrap(); // pending there: not confirmed
     let got = r.apply_kv_events(0, 1, &batch(vec![stored(&[3], Some(99), &t[4..])]), false).unwrap();
     assert!(got.degraded);
     let view = r.kv_view(0).unwrap().unwrap();
     assert!(matches!(&view.ranks[0].state, ViewState::Degraded(why) if why.contains("parent")));
     assert!(!view.uses_events);
-    assert_eq!(hits(&r, 9), vec![8], "routed on the estimate view");
+    assert_eq!(hits(&r, 9), vec![4], "routed on the estimate, from the events view's last blocks");
     apply(&mut r, 0, 2, vec![stored(&[1], None, &t[..4])]);
     apply(&mut r, 0, 3, vec![KvEvent::Cleared, stored(&[5], None, &t[..4])]);
     assert!(r.kv_view(0).unwrap().unwrap().uses_events);

@@ -214,6 +214,11 @@ impl EventView {
         self.refresh(inst);
     }
 
+    /// The keys `inst`'s ranks held when they last degraded (each handed out once).
+    pub fn take_dropped(&mut self, inst: usize) -> Vec<u64> {
+        self.engines[inst].iter_mut().flat_map(|r| std::mem::take(&mut r.dropped)).collect()
+    }
+
     /// Leading keys of `keys` each instance holds in this view (pending ones included).
     pub fn walk(&self, keys: &[u64], matched: &mut Vec<u32>) {
         self.index.walk(keys, matched);

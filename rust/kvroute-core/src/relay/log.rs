@@ -24,7 +24,6 @@ impl Terms {
     /// Read off `router` for a request of `keys` and `input_length` tokens.
     pub fn read(router: &Router, keys: &[u64], input_length: u64) -> Terms {
         let hits = router.estimate_cache_hits(keys, input_length);
-        let view = |i: usize| router.event_view().map_or("estimate", |v| v.source(i));
         let mut out = b"[".to_vec();
         for (i, (hit, st)) in hits.iter().zip(router.state()).enumerate() {
             let new = input_length.saturating_sub(*hit);
@@ -41,7 +40,7 @@ impl Terms {
                 load.available,
                 load.num_requests,
                 (pending + new).saturating_mul(load.num_requests),
-                view(i)
+                st.cache_view
             );
         }
         out.push(b']');
