@@ -13,6 +13,10 @@ its whole prefix.
 
     .venv/bin/python benches/prefix_repetition.py [--policies a,b] [--views ...] [--json F]
 
+``--replicas 2``: two proxies in front of the same engines, each with its own client sending
+half the prompts (the same ones: each prompt goes through both replicas), so each replica's
+estimate misses what the other placed and only the events view sees both.
+
 Run it on an otherwise idle machine; the engines take one core each (about 1 min per run).
 """
 
@@ -61,10 +65,18 @@ def engine_counters(urls: list[str]) -> tuple[float, float]:
 
 
 def run_one(
-    engines: realvllm.Engines, policy: str, view: dict[str, Any], seed: int
+    engines: realvllm.Engines,
+    policy: str,
+    view: dict[str, Any],
+    seed: int,
+    extra: dict[str, Any],
+    replicas: int = 1,
 ) -> dict[str, Any]:
+    """One run; with ``replicas`` proxies in front of the same engines, each replica's client
+    sends ``PROMPTS / replicas`` prompts of the same seed (the same prompts, each sent once
+    through every replica), at ``CONCURRENCY / replicas`` each."""
     model = engines.model
-    options = {"block_size": realvllm.BLOCK_SIZE, **view["router_options"]}
+    options = {"block_size": realvllm.BLOCK_SIZE, **extra, **view["router_options"]}
     config = ProxyConfig(
         backends=engines.urls,
         policy=policy,
@@ -74,11 +86,11 @@ def run_one(
         health_interval_s=0.5,
     )
     with ServerThread() as st:
-        proxy = Proxy(config)
-        url = st.start(proxy)
+        proxies = [Proxy(config) for _ in range(replicas)]
+        urls = [st.start(p) for p in proxies]
         deadline = time.monotonic() + 60
         while True:  # vLLM publishes a reset's AllBlocksCleared with its next step's batch
-            req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+            req = urllib.request.Request(urls[0] + "/reset_prefix_cache", data=b"", method="POST")
             urllib.request.urlopen(req, timeout=30).read()
             body = json.dumps({"model": realvllm.MODEL_NAME, "prompt": [1, 2], "max_tokens": 1})
             for u in engines.urls:
@@ -86,42 +98,54 @@ def run_one(
                 post = urllib.request.Request(u + "/v1/completions", body.encode(), headers)
                 urllib.request.urlopen(post, timeout=30).read()
             time.sleep(0.3)
-            views = [proxy.router.kv_view(i) for i in range(len(engines.urls))]
+            views = [p.router.kv_view(i) for p in proxies for i in range(len(engines.urls))]
             if view["kv_events"] == "off" or all(v and v["uses_events"] for v in views):
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("the events views did not become complete")
+        for p in proxies[1:]:  # the other replicas' estimates start cold too
+            for i in range(len(engines.urls)):
+                p.router.clear_cache(i)
         before = engine_counters(engines.urls)
         t0 = time.monotonic()
-        cmd = [
-            str(realvllm.vllm_executable()), "bench", "serve", "--backend", "openai",
-            "--base-url", url, "--endpoint", "/v1/completions", "--model", realvllm.MODEL_NAME,
-            "--tokenizer", str(model), "--dataset-name", "prefix_repetition",
-            "--prefix-repetition-prefix-len", str(PREFIX_LEN),
-            "--prefix-repetition-suffix-len", str(SUFFIX_LEN),
-            "--prefix-repetition-num-prefixes", str(PREFIXES),
-            "--num-prompts", str(PROMPTS), "--max-concurrency", str(CONCURRENCY),
-            "--seed", str(seed), "--ignore-eos",
-        ]  # fmt: skip
-        env = realvllm.engine_env(0)
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=1800, check=False
-        )
-        took = time.monotonic() - t0
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"vllm bench serve failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        clients = []
+        for url in urls:
+            cmd = [
+                str(realvllm.vllm_executable()), "bench", "serve", "--backend", "openai",
+                "--base-url", url, "--endpoint", "/v1/completions",
+                "--model", realvllm.MODEL_NAME, "--tokenizer", str(model),
+                "--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(PREFIX_LEN),
+                "--prefix-repetition-suffix-len", str(SUFFIX_LEN),
+                "--prefix-repetition-num-prefixes", str(PREFIXES),
+                "--num-prompts", str(PROMPTS // replicas),
+                "--max-concurrency", str(CONCURRENCY // replicas),
+                "--seed", str(seed), "--ignore-eos",
+            ]  # fmt: skip
+            clients.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=realvllm.engine_env(0),
+                )
             )
+        for c in clients:
+            out, _ = c.communicate(timeout=1800)
+            if c.returncode != 0:
+                raise RuntimeError(f"vllm bench serve failed:\n{out[-3000:]}")
+        took = time.monotonic() - t0
         after = engine_counters(engines.urls)
-        states = [proxy.router.kv_view(i) for i in range(2)]
+        states = [p.router.kv_view(i) for p in proxies for i in range(len(engines.urls))]
     hits, queries = after[0] - before[0], after[1] - before[1]
+    events = view["kv_events"] == "auto"
     return {
         "policy": policy,
+        "replicas": replicas,
         "hit_rate": hits / queries if queries else 0.0,
         "seconds": round(took, 1),
-        "degraded": [bool(v and not v["uses_events"]) for v in states]
-        if view["kv_events"] == "auto"
-        else None,
+        "degraded": [bool(v and not v["uses_events"]) for v in states] if events else None,
     }
 
 
@@ -136,6 +160,7 @@ def main() -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--views", default=",".join(VIEWS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replicas", type=int, default=1, help="proxies on the same engines")
     parser.add_argument(
         "--router-option", action="append", default=[], metavar="KEY=VALUE",
         help="a router keyword for every run (value read as JSON), e.g. overlap_weight=4",
@@ -153,13 +178,14 @@ def main() -> int:
         try:
             for policy in args.policies.split(","):
                 for name in args.views.split(","):
-                    result = run_one(engines, policy, VIEWS[name], args.seed, extra)
+                    result = run_one(engines, policy, VIEWS[name], args.seed, extra, args.replicas)
                     row = {"view": name, **result, **extra}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:
             engines.stop()
-    print(f"\nbest placement: {bound():.1%}")
+    if args.replicas == 1:
+        print(f"\nbest placement: {bound():.1%}")
     print(f"| policy | {' | '.join(VIEWS)} |\n|---|{'---|' * len(VIEWS)}")
     for policy in args.policies.split(","):
         cells = [

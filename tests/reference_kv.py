@@ -40,6 +40,9 @@ class ReferenceEventView:
     def __init__(self, instances: int, block_size: int) -> None:
         self.block_size = block_size
         self.ranks: list[dict[int, Rank]] = [{} for _ in range(instances)]
+        #: Per instance, the estimate (no routing here): what the events view held when it
+        #: last turned degraded; emptied by a restart.
+        self.estimate: list[set[int]] = [set() for _ in range(instances)]
 
     def apply(
         self, inst: int, seq: int, events: list[dict[str, Any]], rank: int, replayed: bool
@@ -52,6 +55,7 @@ class ReferenceEventView:
                 if replayed:
                     return "duplicate"
                 self.ranks[inst][rank] = r = Rank()
+                self.estimate[inst] = set()
         if r.next_seq is None and seq != 0 and r.state != "degraded":
             return "gap"
         if r.state == "awaiting":
@@ -70,12 +74,12 @@ class ReferenceEventView:
                     else:
                         r.seqs.pop(h, None)
             elif e["block_size"] != self.block_size:
-                self.degrade(r)
+                self.degrade(inst, r)
             else:
                 parent = e["parent_block_hash"]
                 if parent is not None and parent not in r.seqs:
                     if r.state == "complete":
-                        self.degrade(r)
+                        self.degrade(inst, r)
                     continue
                 prefix = r.seqs[parent] if parent is not None else ()
                 bs = self.block_size
@@ -88,15 +92,16 @@ class ReferenceEventView:
         r.next_seq = seq + 1
         return "applied"
 
-    @staticmethod
-    def degrade(r: Rank) -> None:
+    def degrade(self, inst: int, r: Rank) -> None:
+        if r.state != "degraded":
+            self.estimate[inst] = self.keys(inst)
         r.seqs.clear()
         r.copies.clear()
         r.state = "degraded"
 
     def resync(self, inst: int, rank: int) -> None:
         r = self.ranks[inst].setdefault(rank, Rank())
-        self.degrade(r)
+        self.degrade(inst, r)
         r.next_seq = None
 
     def uses_events(self, inst: int) -> bool:
@@ -109,13 +114,13 @@ class ReferenceEventView:
         }
 
     def hits(self, tokens: list[int]) -> list[int]:
-        """Per instance, cached tokens of a prompt of ``tokens`` (vLLM's rule) where routing
-        reads this view; None elsewhere."""
+        """Per instance, cached tokens of a prompt of ``tokens`` (vLLM's rule) by the view
+        routing reads: this one where it is whole, else the estimate."""
         keys = [int(k) for k in kvroute.block_hashes(tokens, self.block_size)]
         keys = keys[: (len(tokens) - 1) // self.block_size]
         out = []
         for i in range(len(self.ranks)):
-            held = self.keys(i)
+            held = self.keys(i) if self.uses_events(i) else self.estimate[i]
             n = next((j for j, k in enumerate(keys) if k not in held), len(keys))
-            out.append(n * self.block_size if self.uses_events(i) else 0)
+            out.append(n * self.block_size)
         return out

@@ -568,7 +568,9 @@ impl Router {
     /// The estimate takes over `i`'s routing from the blocks its events view held last (the
     /// estimate is not kept while the events view is read).
     fn estimate_from_events(&mut self, i: usize) {
-        let keys = self.events.as_mut().map(|e| e.take_dropped(i)).unwrap_or_default();
+        let Some(keys) = self.events.as_mut().and_then(|e| e.take_dropped(i)) else {
+            return; // not newly degraded: the estimate already routes it
+        };
         let mut cache = self.cache.lock();
         cache.clear_instance(i);
         let none = PrefixWalk::default();

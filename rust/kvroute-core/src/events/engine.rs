@@ -109,8 +109,8 @@ pub(crate) struct RankView {
     next_seq: Option<u64>,
     pub report: RankReport,
     capacity: usize,
-    /// The keys this view held when it last degraded, until the router takes them.
-    pub dropped: Vec<u64>,
+    /// The keys this view held when it last turned degraded, until the router takes them.
+    pub dropped: Option<Vec<u64>>,
 }
 
 impl RankView {
@@ -136,7 +136,7 @@ impl RankView {
             memory_bytes: 0,
         };
         let hashes = Table::with_capacity(capacity);
-        Self { hashes, copies: FxHashMap::default(), next_seq: None, report, capacity, dropped: Vec::new() }
+        Self { hashes, copies: FxHashMap::default(), next_seq: None, report, capacity, dropped: None }
     }
 
     pub fn state(&self) -> &ViewState {
@@ -277,6 +277,11 @@ impl RankView {
         }
     }
 
+    /// The keys of the blocks this rank holds.
+    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.hashes.iter().map(|(_, key)| key)
+    }
+
     /// Drop every block of this rank from the index.
     fn drop_blocks(&mut self, inst: usize, ix: &mut ClusterIndex) {
         for (_, key) in self.hashes.iter() {
@@ -291,7 +296,7 @@ impl RankView {
     /// estimate takes over from them) and mark it degraded.
     pub fn degrade(&mut self, reason: String, inst: usize, ix: &mut ClusterIndex) {
         if !matches!(self.report.state, ViewState::Degraded(_)) {
-            self.dropped.extend(self.hashes.iter().map(|(_, key)| key));
+            self.dropped = Some(self.keys().collect());
         }
         self.drop_blocks(inst, ix);
         self.report.state = ViewState::Degraded(reason);

@@ -214,9 +214,19 @@ impl EventView {
         self.refresh(inst);
     }
 
-    /// The keys `inst`'s ranks held when they last degraded (each handed out once).
-    pub fn take_dropped(&mut self, inst: usize) -> Vec<u64> {
-        self.engines[inst].iter_mut().flat_map(|r| std::mem::take(&mut r.dropped)).collect()
+    /// When a rank of `inst` has turned degraded since the last call: the keys `inst` held
+    /// in this view just before (that rank's then, the other ranks' now).
+    pub fn take_dropped(&mut self, inst: usize) -> Option<Vec<u64>> {
+        let (mut dropped, mut others) = (None::<Vec<u64>>, Vec::new());
+        for r in &mut self.engines[inst] {
+            match r.dropped.take() {
+                Some(keys) => dropped.get_or_insert_with(Vec::new).extend(keys),
+                None => others.extend(r.keys()),
+            }
+        }
+        let mut keys = dropped?;
+        keys.extend(others);
+        Some(keys)
     }
 
     /// Leading keys of `keys` each instance holds in this view (pending ones included).
