@@ -186,15 +186,11 @@ def main() -> int:
             engines.stop()
     if args.replicas == 1:
         print(f"\nbest placement: {bound():.1%}")
-    print(f"| policy | {' | '.join(VIEWS)} |\n|---|{'---|' * len(VIEWS)}")
+    views = args.views.split(",")
+    print(f"| policy | {' | '.join(views)} |\n|---|{'---|' * len(views)}")
     for policy in args.policies.split(","):
-        cells = [
-            f"{r['hit_rate']:.1%}"
-            for name in VIEWS
-            for r in rows
-            if r["policy"] == policy and r["view"] == name
-        ]
-        print(f"| {policy} | {' | '.join(cells)} |")
+        got = {r["view"]: f"{r['hit_rate']:.1%}" for r in rows if r["policy"] == policy}
+        print(f"| {policy} | {' | '.join(got.get(v, '') for v in views)} |")
     if args.json:
         args.json.write_text(json.dumps({"bound": bound(), "rows": rows}, indent=1))
     return 0
