@@ -4,6 +4,8 @@
 //! - [`cache`]: per-instance LRU cache models under one cluster-wide index (`index.rs`: the
 //!   open-addressing key index with prefetch; `background.rs`: the cache model handed to a
 //!   worker thread for its touches).
+//! - [`events`]: the exact cache view: engines' KV-cache events decoded and indexed (the
+//!   router reads it with `CacheView::Events`).
 //! - [`jobs`]: a job queue for a second thread (the simulator's engines and touches).
 //! - [`policy`] and [`picker`]: the routing policies and their scoring loop.
 //! - [`router`]: the request state machine that ties them together (`sessions`: the
