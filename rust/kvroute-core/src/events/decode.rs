@@ -29,6 +29,11 @@ impl std::fmt::Display for DecodeError {
 
 type Res<T> = std::result::Result<T, String>;
 
+/// An `rmp` error as text.
+fn debug(e: impl std::fmt::Debug) -> String {
+    format!("{e:?}")
+}
+
 /// Field names of the array encoding, by position after the tag (vLLM's declaration order).
 const STORED_FIELDS: [&str; 9] = [
     "block_hashes",
@@ -149,11 +154,11 @@ impl Fields {
 }
 
 fn read_event(rd: &mut &[u8]) -> Res<KvEvent> {
-    let marker = mp::read_marker(rd).map_err(|e| format!("{e:?}"))?;
+    let marker = mp::read_marker(rd).map_err(debug)?;
     let mut fields = Fields::default();
     match marker {
         Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {
-            let n = mp::marker_to_len(rd, marker).map_err(|e| format!("{e:?}"))?;
+            let n = mp::marker_to_len(rd, marker).map_err(debug)?;
             let mut tag = None;
             for _ in 0..n {
                 let name = string(rd)?;
@@ -186,15 +191,15 @@ fn read_event(rd: &mut &[u8]) -> Res<KvEvent> {
 }
 
 fn array_len(rd: &mut &[u8]) -> Res<u32> {
-    let marker = mp::read_marker(rd).map_err(|e| format!("{e:?}"))?;
+    let marker = mp::read_marker(rd).map_err(debug)?;
     array_len_after(rd, marker)
 }
 
 fn array_len_after(rd: &mut &[u8], marker: Marker) -> Res<u32> {
     match marker {
         Marker::FixArray(n) => Ok(u32::from(n)),
-        Marker::Array16 => rd.read_data_u16().map(u32::from).map_err(|e| format!("{e:?}")),
-        Marker::Array32 => rd.read_data_u32().map_err(|e| format!("{e:?}")),
+        Marker::Array16 => rd.read_data_u16().map(u32::from).map_err(debug),
+        Marker::Array32 => rd.read_data_u32().map_err(debug),
         other => Err(format!("expected an array, got {other:?}")),
     }
 }
@@ -222,8 +227,8 @@ fn opt_int(rd: &mut &[u8]) -> Res<Option<i64>> {
 
 fn float(rd: &mut &[u8]) -> Res<f64> {
     match rd.first().copied() {
-        Some(0xcb) => mp::read_f64(rd).map_err(|e| format!("{e:?}")),
-        Some(0xca) => mp::read_f32(rd).map(f64::from).map_err(|e| format!("{e:?}")),
+        Some(0xcb) => mp::read_f64(rd).map_err(debug),
+        Some(0xca) => mp::read_f32(rd).map(f64::from).map_err(debug),
         _ => int(rd).map(|i| i as f64).map_err(|_| "expected a number".into()),
     }
 }
@@ -238,7 +243,7 @@ fn string<'a>(rd: &mut &'a [u8]) -> Res<&'a str> {
 fn hash(rd: &mut &[u8]) -> Res<u64> {
     match rd.first().copied() {
         Some(0xc4..=0xc6) => {
-            let len = mp::read_bin_len(rd).map_err(|e| format!("{e:?}"))? as usize;
+            let len = mp::read_bin_len(rd).map_err(debug)? as usize;
             let bytes = take(rd, len)?;
             Ok(xxh3_64(bytes))
         }
@@ -270,7 +275,7 @@ fn take<'a>(rd: &mut &'a [u8], len: usize) -> Res<&'a [u8]> {
 
 /// Skip one value of any type.
 fn skip(rd: &mut &[u8]) -> Res<()> {
-    let marker = mp::read_marker(rd).map_err(|e| format!("{e:?}"))?;
+    let marker = mp::read_marker(rd).map_err(debug)?;
     let (bytes, items) = match marker {
         Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => (0, 0),
         Marker::U8 | Marker::I8 => (1, 0),
@@ -278,23 +283,23 @@ fn skip(rd: &mut &[u8]) -> Res<()> {
         Marker::U32 | Marker::I32 | Marker::F32 => (4, 0),
         Marker::U64 | Marker::I64 | Marker::F64 => (8, 0),
         Marker::FixStr(n) => (usize::from(n), 0),
-        Marker::Str8 | Marker::Bin8 => (usize::from(rd.read_data_u8().map_err(|e| format!("{e:?}"))?), 0),
-        Marker::Str16 | Marker::Bin16 => (usize::from(rd.read_data_u16().map_err(|e| format!("{e:?}"))?), 0),
-        Marker::Str32 | Marker::Bin32 => (rd.read_data_u32().map_err(|e| format!("{e:?}"))? as usize, 0),
+        Marker::Str8 | Marker::Bin8 => (usize::from(rd.read_data_u8().map_err(debug)?), 0),
+        Marker::Str16 | Marker::Bin16 => (usize::from(rd.read_data_u16().map_err(debug)?), 0),
+        Marker::Str32 | Marker::Bin32 => (rd.read_data_u32().map_err(debug)? as usize, 0),
         Marker::FixArray(n) => (0, u64::from(n)),
-        Marker::Array16 => (0, u64::from(rd.read_data_u16().map_err(|e| format!("{e:?}"))?)),
-        Marker::Array32 => (0, u64::from(rd.read_data_u32().map_err(|e| format!("{e:?}"))?)),
+        Marker::Array16 => (0, u64::from(rd.read_data_u16().map_err(debug)?)),
+        Marker::Array32 => (0, u64::from(rd.read_data_u32().map_err(debug)?)),
         Marker::FixMap(n) => (0, 2 * u64::from(n)),
-        Marker::Map16 => (0, 2 * u64::from(rd.read_data_u16().map_err(|e| format!("{e:?}"))?)),
-        Marker::Map32 => (0, 2 * u64::from(rd.read_data_u32().map_err(|e| format!("{e:?}"))?)),
+        Marker::Map16 => (0, 2 * u64::from(rd.read_data_u16().map_err(debug)?)),
+        Marker::Map32 => (0, 2 * u64::from(rd.read_data_u32().map_err(debug)?)),
         Marker::FixExt1 => (2, 0),
         Marker::FixExt2 => (3, 0),
         Marker::FixExt4 => (5, 0),
         Marker::FixExt8 => (9, 0),
         Marker::FixExt16 => (17, 0),
-        Marker::Ext8 => (1 + usize::from(rd.read_data_u8().map_err(|e| format!("{e:?}"))?), 0),
-        Marker::Ext16 => (1 + usize::from(rd.read_data_u16().map_err(|e| format!("{e:?}"))?), 0),
-        Marker::Ext32 => (1 + rd.read_data_u32().map_err(|e| format!("{e:?}"))? as usize, 0),
+        Marker::Ext8 => (1 + usize::from(rd.read_data_u8().map_err(debug)?), 0),
+        Marker::Ext16 => (1 + usize::from(rd.read_data_u16().map_err(debug)?), 0),
+        Marker::Ext32 => (1 + rd.read_data_u32().map_err(debug)? as usize, 0),
         Marker::Reserved => return Err("reserved marker 0xc1".into()),
     };
     take(rd, bytes)?;

@@ -68,7 +68,7 @@ pub struct RankReport {
     pub state: ViewState,
     /// The sequence number of the last batch applied.
     pub last_seq: Option<u64>,
-    /// Batches applied, and of those, how many came from a replay.
+    /// Batches applied.
     pub batches: u64,
     /// Of `batches`, those that came from the replay socket.
     pub replayed_batches: u64,
@@ -85,17 +85,17 @@ pub struct RankReport {
     pub unknown_removals: u64,
     /// Stored blocks that could not be keyed (their parent unknown) while degraded.
     pub unkeyable_blocks: u64,
-    /// Gaps seen, and resets (restarts, clears of the view).
+    /// Gaps seen in the sequence numbers.
     pub gaps: u64,
     /// Restarts seen (sequence backwards or an explicit reset).
     pub resets: u64,
-    /// Engine hashes held now.
+    /// Engine hashes held now (filled in by `snapshot`).
     pub blocks_indexed: usize,
     /// The engine's timestamp of the last batch, and its lag to the moment it was applied (s).
     pub last_ts: f64,
     /// Seconds from the last batch's timestamp to its application.
     pub lag_s: f64,
-    /// Bytes of this rank's hash map.
+    /// Bytes of this rank's tables (filled in by `snapshot`).
     pub memory_bytes: usize,
 }
 
@@ -203,7 +203,6 @@ impl RankView {
         r.batches += 1;
         r.replayed_batches += u64::from(replayed);
         r.events += batch.events.len() as u64;
-        r.blocks_indexed = self.hashes.len();
         r.last_ts = batch.ts;
         r.lag_s = unix_now() - batch.ts;
         !was_degraded && matches!(r.state, ViewState::Degraded(_))
@@ -289,7 +288,6 @@ impl RankView {
         }
         self.hashes = Table::with_capacity(self.capacity);
         self.copies.clear();
-        self.report.blocks_indexed = 0;
     }
 
     /// The view cannot be trusted: drop its blocks (kept in `dropped` for the router, whose
@@ -316,11 +314,18 @@ impl RankView {
         self.report.resets += 1;
     }
 
+    /// Bytes of this rank's tables.
+    pub fn memory_bytes(&self) -> usize {
+        self.hashes.memory_bytes() + self.copies.capacity() * 16
+    }
+
+    /// The report, with the sizes read now.
     pub fn snapshot(&self) -> RankReport {
-        let mut r = self.report.clone();
-        r.blocks_indexed = self.hashes.len();
-        r.memory_bytes = self.hashes.memory_bytes() + self.copies.capacity() * 16;
-        r
+        RankReport {
+            blocks_indexed: self.hashes.len(),
+            memory_bytes: self.memory_bytes(),
+            ..self.report.clone()
+        }
     }
 }
 

@@ -267,7 +267,7 @@ impl EventView {
 
     /// Bytes of the view's tables: the cluster index, every rank's hash map, pending marks.
     pub fn memory_bytes(&self) -> usize {
-        let ranks: usize = self.engines.iter().flatten().map(|r| r.snapshot().memory_bytes).sum();
+        let ranks: usize = self.engines.iter().flatten().map(RankView::memory_bytes).sum();
         let marks: usize = self.pending.marks.iter().map(KeyIndex::memory_bytes).sum();
         self.index.memory_bytes() + ranks + marks + self.pending.queue.capacity() * 24
     }
