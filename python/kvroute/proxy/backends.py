@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -92,6 +93,9 @@ class BackendPool:
         #: The data path (``kvroute._core.Relay``), once it serves: told where each backend
         #: is and whether it has failures to clear.
         self.relay: Any = None
+        #: Called with a backend that comes back: up again after being down, or added again
+        #: after being removed (its engine may have restarted meanwhile).
+        self.on_back: list[Callable[[Backend], None]] = []
         for url in config.backends:
             self.add(url)
 
@@ -133,6 +137,7 @@ class BackendPool:
                 b.removed, b.up, b.failures, b.successes = False, True, 0, 0
                 self._sync(b)
                 self._note(b)
+                self._back(b)
                 return b
         b = Backend(len(self.backends), url)  # checks the URL before the router changes
         if b.index >= self.router.num_instances:
@@ -184,6 +189,11 @@ class BackendPool:
             b.up = True
             log.warning("backend %s is up again", b.label)
             self._sync(b)
+            self._back(b)
+
+    def _back(self, b: Backend) -> None:
+        for callback in self.on_back:
+            callback(b)
 
     async def check(self, session: aiohttp.ClientSession, b: Backend) -> bool:
         """One health check of ``b`` (updates its state)."""

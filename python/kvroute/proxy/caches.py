@@ -67,7 +67,14 @@ class EngineCaches:
         self.bound_estimate = bound_estimate
         #: Backend index -> what its last successful probe found.
         self.found: dict[int, dict[str, Any]] = {}
-        self._was_up: dict[int, bool] = {}
+        pool.on_back.append(self._came_back)
+
+    def _came_back(self, b: Backend) -> None:
+        """``b``'s engine may have restarted: its events view starts over, probed again."""
+        log.warning("backend %s is back: its KV-events view starts over", b.label)
+        self.found.pop(b.index, None)
+        if self.subscriber is not None:
+            self.router.kv_reset(b.index)
 
     async def probe(self, session: aiohttp.ClientSession, b: Backend) -> None:
         """Read ``b``'s KV capacity and event sources and apply them (once it answers)."""
@@ -96,16 +103,10 @@ class EngineCaches:
         self.found[b.index] = found
 
     async def round(self, session: aiohttp.ClientSession) -> None:
-        """Reset the events view of backends that came back; probe those not probed yet."""
+        """Stop listening to removed backends; probe the live ones not probed yet."""
         todo = []
         for b in self.pool.backends:
             up = b.up and not b.removed
-            if up and self._was_up.get(b.index) is False:
-                log.warning("backend %s is back: its KV-events view starts over", b.label)
-                self.found.pop(b.index, None)
-                if self.subscriber is not None:
-                    self.router.kv_reset(b.index)
-            self._was_up[b.index] = up
             if b.removed and self.subscriber is not None and b.index in self.found:
                 self.subscriber.unwatch(b.index)
                 self.found.pop(b.index)
