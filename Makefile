@@ -23,8 +23,9 @@ build-dev: $(STAMP)
 build-release: $(STAMP)
 	VIRTUAL_ENV=$(CURDIR)/$(VENV) $(BIN)/maturin develop --release
 
+# --force: each run regenerates kvroute-demo/ in place.
 demo: build-release
-	$(BIN)/kvroute demo
+	$(BIN)/kvroute demo --force
 
 test: test-rust test-py
 

@@ -277,4 +277,4 @@ def test_cli_json_and_table(tmp_path: Path) -> None:
     csv = tmp_path / "lengths.csv"
     csv.write_text("timestamp,input_length,output_length\n0,100,10\n")
     res = runner.invoke(main, ["ceilings", str(csv), "--json"])
-    assert res.exit_code == 1 and "hash_ids" in res.output
+    assert res.exit_code == 2 and "hash_ids" in res.output

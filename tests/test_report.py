@@ -261,7 +261,7 @@ def test_report_cli(sim_runs: tuple[Path, Path], tmp_path: Path) -> None:
     assert "unified/thinktime" in res.output and "thinktime" in res.output
     assert (tmp_path / "report.md").exists() and not (tmp_path / "figures").exists()
     res = runner.invoke(main, ["report", str(tmp_path)])
-    assert res.exit_code == 1 and "not a run" in res.output
+    assert res.exit_code == 2 and "not a run" in res.output
 
 
 def test_records_file_path_and_duplicate_labels(sim_runs: tuple[Path, Path]) -> None:

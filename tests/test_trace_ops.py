@@ -129,4 +129,4 @@ def test_cli_convert_cap_stats_plot(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{\n')
     res = runner.invoke(main, ["trace", "stats", str(bad)])
-    assert res.exit_code == 1 and "bad.jsonl:2" in res.output
+    assert res.exit_code == 2 and "bad.jsonl:2" in res.output

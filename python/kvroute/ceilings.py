@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvroute import _core
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
+from kvroute.files import read_parquet, read_parquet_schema
 from kvroute.schema import block_size_of
 
 COLUMNS = ("timestamp", "session_id", "input_length", "hash_ids")
@@ -114,12 +114,8 @@ def _load(trace: Any, need: Sequence[str]) -> tuple[Any, int | None, str]:
     if isinstance(trace, str | Path):
         path = Path(trace)
         if path.suffix.lower() in (".parquet", ".pq") and path.is_file():
-            try:
-                schema = pq.read_schema(path)
-                cols = [c for c in need if c in schema.names]
-                table = pq.read_table(path, columns=cols)
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise InvalidArgumentError(f"{path}: not a readable Parquet file: {exc}") from exc
+            names = read_parquet_schema(path).names
+            table = read_parquet(path, columns=[c for c in need if c in names])
         else:
             table = read_trace(path)
         if (table.schema.metadata or {}).get(KEYS_KEY) == b"none":

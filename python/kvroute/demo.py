@@ -131,7 +131,6 @@ def _emulated_time(records: pa.Table, cfg: DemoConfig, policy: str) -> pa.Table:
 
 def run_demo(cfg: DemoConfig, log: Callable[[str], object] = print) -> Report:
     """Steps 1-5 of the module doc; returns the report (also written under ``cfg.out``)."""
-    import pyarrow.parquet as pq
 
     from kvroute.trace import read_trace
     from kvroute.trace_ops import trace_stats
@@ -139,7 +138,7 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], object] = print) -> Report:
     cfg.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     path = make_trace(cfg)
-    trace = read_trace(path) if path.suffix != ".parquet" else pq.read_table(path)
+    trace = read_trace(path)
     _step(cfg, "trace", log, t)
     t = time.perf_counter()
     ceil = trace_ceilings(trace)

@@ -28,6 +28,15 @@ class DuplicateRequestError(InvalidArgumentError):
     """``route`` called for a request id that is still in flight."""
 
 
+class CorruptFileError(InvalidArgumentError):
+    """A file that cannot be read as what it claims to be (truncated, damaged, checksum
+    mismatch); the message names the file."""
+
+
+class OutputExistsError(KvrouteError, FileExistsError):
+    """An output file that already exists, written only with ``force=True`` (``--force``)."""
+
+
 class KvrouteTypeError(KvrouteError, TypeError):
     """An argument of the wrong type (e.g. ``hash_ids`` of floats)."""
 
@@ -41,12 +50,14 @@ class DebugBuildWarning(RuntimeWarning):
 
 
 __all__ = [
+    "CorruptFileError",
     "DebugBuildWarning",
     "DuplicateRequestError",
     "InvalidArgumentError",
     "KvrouteError",
     "KvrouteTypeError",
     "NoInstanceAvailableError",
+    "OutputExistsError",
     "UnknownInstanceError",
     "UnknownPolicyError",
 ]

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvroute.errors import InvalidArgumentError
+from kvroute.files import read_parquet, write_parquet
 
 RUN_KEY = b"kvroute.run"
 
@@ -111,18 +111,11 @@ def conform_records(table: pa.Table, *, source: str = "records") -> pa.Table:
     )
 
 
-def write_records(records: pa.Table, path: str | Path) -> Path:
-    """Write records as zstd Parquet."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(conform_records(records), out, compression="zstd")
-    return out
+def write_records(records: pa.Table, path: str | Path, *, force: bool = True) -> Path:
+    """Write records as zstd Parquet, atomically (:mod:`kvroute.files`)."""
+    return write_parquet(conform_records(records), path, force=force)
 
 
 def read_records(path: str | Path) -> pa.Table:
     """Read and check a records Parquet file."""
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowInvalid) as exc:
-        raise InvalidArgumentError(f"{path}: not a readable Parquet file: {exc}") from exc
-    return conform_records(table, source=str(path))
+    return conform_records(read_parquet(path), source=str(path))

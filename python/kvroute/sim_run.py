@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvroute import _core
 from kvroute.errors import InvalidArgumentError
+from kvroute.files import write_parquet, write_text
 from kvroute.metrics import summarize
 from kvroute.records import record_schema, write_records
 from kvroute.schema import block_size_of
@@ -75,11 +75,10 @@ class SimResult:
     def write(self, out_dir: str | Path) -> Path:
         """Write ``records.parquet``, ``instances.parquet`` and ``summary.json``."""
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         write_records(self.records, out / "records.parquet")
-        pq.write_table(self.instances, out / "instances.parquet", compression="zstd")
+        write_parquet(self.instances, out / "instances.parquet")
         doc = {"run": self.run, "summary": self.summary, "stats": self.stats}
-        (out / "summary.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        write_text(out / "summary.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return out
 
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kvroute import jsonl
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
+from kvroute.files import read_parquet, write_parquet
 from kvroute.jsonl import LoadReport, OnError
 from kvroute.schema import BLOCK_SIZE_KEY, block_size_of, conform, with_block_size
 from kvroute.trace_formats import (
@@ -96,11 +96,7 @@ def read_trace_with_report(
         raise InvalidArgumentError(f"trace not found: {path}")
     fmt = format or _detect(path)
     if fmt == "parquet":
-        try:
-            table = pq.read_table(path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise InvalidArgumentError(f"{path}: not a readable Parquet file: {exc}") from exc
-        table = conform(table, source=str(path))
+        table = conform(read_parquet(path), source=str(path))
         return table, LoadReport(str(path), fmt, table.num_rows)
     if fmt == "csv":
         table, report = from_csv(path, on_error=on_error)
@@ -115,15 +111,16 @@ def read_trace_with_report(
     return conform(table, source=str(path)), report
 
 
-def write_trace(table: Any, path: str | Path, *, block_size: int | None = None) -> Path:
-    """Write a trace (any :func:`read_trace` source) as zstd Parquet; returns the path."""
+def write_trace(
+    table: Any, path: str | Path, *, block_size: int | None = None, force: bool = True
+) -> Path:
+    """Write a trace (any :func:`read_trace` source) as zstd Parquet with page checksums,
+    atomically (:mod:`kvroute.files`); returns the path. ``force=False`` refuses an existing
+    file (:class:`~kvroute.errors.OutputExistsError`)."""
     t = read_trace(table) if not isinstance(table, pa.Table) else conform(table)
     if block_size is not None:
         t = with_block_size(t, block_size)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(t, out, compression="zstd")
-    return out
+    return write_parquet(t, path, force=force)
 
 
 def has_keys(table: pa.Table) -> bool:

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvroute.errors import InvalidArgumentError
+from kvroute.files import save_figure
 from kvroute.schema import block_size_of
 
 TTP_BASIS_KEY = b"kvroute.ttp_basis"
@@ -198,7 +199,9 @@ def trace_stats(
     }
 
 
-def plot_cdf(table: pa.Table, path: str | Path, *, kv_bytes_per_token: int = 98304) -> Path:
+def plot_cdf(
+    table: pa.Table, path: str | Path, *, kv_bytes_per_token: int = 98304, force: bool = True
+) -> Path:
     """Two CDF panels: input length per request and KV footprint per request (PNG)."""
     import matplotlib
 
@@ -217,8 +220,7 @@ def plot_cdf(table: pa.Table, path: str | Path, *, kv_bytes_per_token: int = 983
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{len(inp)} requests")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    try:
+        return save_figure(fig, path, dpi=120, force=force)
+    finally:
+        plt.close(fig)

@@ -1,5 +1,6 @@
 """The ``kvroute`` command line (click). One module per command group; each is a thin
-wrapper over the Python API, and turns kvroute errors into one-line messages (exit 1)."""
+wrapper over the Python API. Errors follow :mod:`kvroute.cli.common`: one line, exit 2 for
+bad input, 1 for the environment, never a traceback unless ``--debug``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import click
 
 import kvroute
 from kvroute.cli.ceilings import ceilings
+from kvroute.cli.common import Group, debug_option
 from kvroute.cli.demo import demo, list_policies
 from kvroute.cli.kv_events import kv_events
 from kvroute.cli.live import engine, proxy, replay
@@ -15,9 +17,10 @@ from kvroute.cli.simulate import simulate
 from kvroute.cli.trace import trace
 
 
-@click.group()
+@click.group(cls=Group)
 @click.version_option(kvroute.__version__, prog_name="kvroute")
-def main() -> None:
+@debug_option
+def main(debug: bool) -> None:
     """KV-cache-aware routing of LLM requests: route, estimate, compare policies."""
 
 

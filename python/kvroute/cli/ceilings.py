@@ -11,7 +11,8 @@ from rich.table import Table
 
 from kvroute.ceilings import CapacityPoint, Ceilings, Variant
 from kvroute.ceilings import ceilings as compute_ceilings
-from kvroute.errors import KvrouteError
+from kvroute.cli.common import output_option
+from kvroute.files import write_text
 
 
 def _capacities(text: str | None) -> list[int]:
@@ -74,17 +75,23 @@ def _table(result: Ceilings, name: str) -> Table:
     help="Tokens per key (default: the trace's metadata, else 512).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@output_option("-o", "--output", default=None, help="Also write the JSON object to this file.")
 def ceilings(
-    trace: Path, min_sessions: int, capacity: str | None, block_size: int | None, as_json: bool
+    trace: Path,
+    min_sessions: int,
+    capacity: str | None,
+    block_size: int | None,
+    as_json: bool,
+    output: Path | None,
+    force: bool,
 ) -> None:
     """APC ceilings of TRACE: any-session, intra-session, shared-prefix, LRU capacities."""
     caps = _capacities(capacity)
-    try:
-        result = compute_ceilings(
-            trace, block_size=block_size, min_sessions=min_sessions, capacities=caps
-        )
-    except KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result = compute_ceilings(
+        trace, block_size=block_size, min_sessions=min_sessions, capacities=caps
+    )
+    if output is not None:
+        write_text(output, json.dumps(result.to_dict(), indent=2) + "\n", force=force)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
         return

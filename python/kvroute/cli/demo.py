@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 
 import kvroute
+from kvroute.cli.common import output_option
 
 
 @click.command("policies")
@@ -21,12 +22,12 @@ def list_policies() -> None:
 
 
 @click.command()
-@click.option(
+@output_option(
     "--out",
-    type=click.Path(file_okay=False, path_type=Path),
+    folder=True,
     default=Path("kvroute-demo"),
     show_default=True,
-    help="Where everything goes.",
+    help="Where everything goes (a new or empty folder, unless --force).",
 )
 @click.option(
     "--quick",
@@ -53,6 +54,7 @@ def list_policies() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print report.json's object at the end.")
 def demo(
     out: Path,
+    force: bool,
     quick: bool,
     trace_path: Path | None,
     instances: int,
@@ -78,10 +80,7 @@ def demo(
     )
     err = Console(stderr=True)
     started = time.perf_counter()
-    try:
-        rep = run_demo(cfg, lambda m: err.print(f"[dim]{m}[/dim]"))
-    except kvroute.KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
+    rep = run_demo(cfg, lambda m: err.print(f"[dim]{m}[/dim]"))
     elapsed = time.perf_counter() - started
     if as_json:
         json.dump(

@@ -10,7 +10,6 @@ from typing import Any
 import click
 import zmq
 
-from kvroute.errors import KvrouteError
 from kvroute.kv_events import Source, Tally, event_sources
 
 
@@ -51,10 +50,7 @@ def kv_events(
     from rich.live import Live
     from rich.table import Table
 
-    try:
-        sources = _sources(target, topic, bind)
-    except KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
+    sources = _sources(target, topic, bind)
     ctx = zmq.Context()
     poller = zmq.Poller()
     for s in sources:

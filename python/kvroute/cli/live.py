@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 import kvroute
+from kvroute.cli.common import BadInput, output_option
 from kvroute.errors import KvrouteError
 
 
@@ -151,7 +152,7 @@ def proxy(**kw: Any) -> None:
         )
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise BadInput(str(exc)) from exc
     _serve(app, kw, "proxy")
 
 
@@ -249,7 +250,7 @@ def engine(**kw: Any) -> None:
         )
         app = emulator_app(config)
     except (ValueError, TypeError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise BadInput(str(exc)) from exc
     _serve(app, kw, "engine")
 
 
@@ -278,13 +279,12 @@ def engine(**kw: Any) -> None:
     help="Replay only the first N requests of the trace.",
 )
 @click.option("--model", default=None, help="Model name (default: the first of /v1/models).")
-@click.option(
+@output_option(
     "--output",
     "-o",
-    type=click.Path(dir_okay=False, path_type=Path),
     default=Path("replay.parquet"),
     show_default=True,
-    help="Records (Parquet).",
+    help="Records (Parquet; refused if it exists).",
 )
 @click.option("--format", "fmt", default=None, help="Trace format (default: detected).")
 @click.option("--infer-sessions", is_flag=True, help="Mooncake: group requests into sessions.")
@@ -306,26 +306,23 @@ def replay(trace: Path, **kw: Any) -> None:
     from kvroute.replay import replay as run_replay
     from kvroute.trace import read_trace
 
-    try:
-        table = read_trace(trace, format=kw["fmt"], infer_sessions=kw["infer_sessions"])
-        config = ReplayConfig(
-            url=kw["url"],
-            mode=kw["mode"],
-            model=kw["model"],
-            time_scale=kw["time_scale"],
-            max_requests=kw["max_requests"],
-            rate=kw["rate"],
-            seed=kw["seed"],
-            vocab_size=kw["vocab_size"],
-            request_timeout_s=kw["request_timeout"],
-            api_key=kw["api_key"],
-            progress=not kw["no_progress"],
-            reset_cache=kw["reset_cache"],
-        )
-        records = run_replay(table, config)
-    except KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
-    write_records(records, kw["output"])
+    table = read_trace(trace, format=kw["fmt"], infer_sessions=kw["infer_sessions"])
+    config = ReplayConfig(
+        url=kw["url"],
+        mode=kw["mode"],
+        model=kw["model"],
+        time_scale=kw["time_scale"],
+        max_requests=kw["max_requests"],
+        rate=kw["rate"],
+        seed=kw["seed"],
+        vocab_size=kw["vocab_size"],
+        request_timeout_s=kw["request_timeout"],
+        api_key=kw["api_key"],
+        progress=not kw["no_progress"],
+        reset_cache=kw["reset_cache"],
+    )
+    records = run_replay(table, config)
+    write_records(records, kw["output"], force=kw["force"])
     summary = summarize(records)
     if kw["as_json"]:
         click.echo(json.dumps(summary, indent=2))

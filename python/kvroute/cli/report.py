@@ -11,7 +11,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-import kvroute
+from kvroute.cli.common import output_option
+from kvroute.files import write_text
 
 
 @click.command("report")
@@ -22,11 +23,8 @@ import kvroute
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="The trace the runs replayed: APC against its ceilings, KV footprint CDF.",
 )
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Write report.md, report.json and figures/*.png here.",
+@output_option(
+    "--out", folder=True, default=None, help="Write report.md, report.json and figures/*.png here."
 )
 @click.option("--slo-ttft", default=5.0, show_default=True, help="Slow: TTFT over this (s).")
 @click.option("--slo-e2e", default=30.0, show_default=True, help="Slow: E2E over this (s).")
@@ -63,6 +61,7 @@ def report(
     runs: tuple[Path, ...],
     trace: Path | None,
     out: Path | None,
+    force: bool,
     slo_ttft: float,
     slo_e2e: float,
     overlap_min_tokens: int,
@@ -83,10 +82,7 @@ def report(
     cfg = SlowConfig(
         slo_ttft, slo_e2e, overlap_min_tokens, hot_factor, queue_wait, miss_ratio, large_append
     )
-    try:
-        rep = make_report(list(runs), ceilings=trace, out=out, config=cfg, figures=not no_figures)
-    except kvroute.KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
+    rep = make_report(list(runs), ceilings=trace, out=out, config=cfg, figures=not no_figures)
     if as_json:
         json.dump(rep.to_dict(), sys.stdout, default=str)
         sys.stdout.write("\n")
@@ -130,11 +126,8 @@ def bench() -> None:
 @click.option("--decode-prompt", default=256, show_default=True)
 @click.option("--decode-tokens", default=64, show_default=True)
 @click.option("--injections", default=4, show_default=True, help="Prefills per cell.")
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Write interference.json and interference.png here.",
+@output_option(
+    "--out", folder=True, default=None, help="Write interference.json and interference.png here."
 )
 def interference(
     decode_endpoint: str,
@@ -148,6 +141,7 @@ def interference(
     decode_tokens: int,
     injections: int,
     out: Path | None,
+    force: bool,
 ) -> None:
     """B2: a steady short-prompt decode load plus large one-token prefills on the same or
     another endpoint; TPOT and TTFT p90 indices (overlapping / clean decodes) per cell."""
@@ -188,7 +182,6 @@ def interference(
         )
     Console().print(table)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "interference.json").write_text(json.dumps(to_dict(cfg, cells), indent=2) + "\n")
+        write_text(out / "interference.json", json.dumps(to_dict(cfg, cells), indent=2) + "\n")
         plot(cells, out / "interference.png")
         Console().print(f"[dim]wrote {out}/interference.json, interference.png[/dim]")

@@ -19,8 +19,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-import kvroute
 from kvroute import _core
+from kvroute.cli.common import output_option
+from kvroute.files import write_text
 
 if TYPE_CHECKING:
     from kvroute import sim
@@ -179,12 +180,12 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     type=float,
     help="Relative width at which bisection stops.",
 )
-@click.option(
+@output_option(
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    folder=True,
     default=None,
-    help="Write results here.",
+    help="Write results here (a new or empty folder).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def simulate(
@@ -207,6 +208,7 @@ def simulate(
     slo_tpot_p90: float,
     rate_tol: float,
     out_dir: Path | None,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Replay TRACE through simulated vLLM engines behind the kvroute Router."""
@@ -226,39 +228,33 @@ def simulate(
         infer_sessions=infer_sessions,
     )
     started = time.perf_counter()
-    try:
-        names = sim.resolve_policies(_split(policies) or ["unified"])
-        if sustainable:
-            _sustainable(
-                trace_path,
-                names,
-                seeds[0],
-                grid,
-                slo_ttft_p90,
-                slo_tpot_p90,
-                rate_tol,
-                common,
-                out_dir,
-                as_json,
-            )
-            return
-        if "poisson" in mode_list and not rates:
-            raise click.UsageError("--mode poisson needs --rate")
-        results = sim.sweep(
+    names = sim.resolve_policies(_split(policies) or ["unified"])
+    if sustainable:
+        _sustainable(
             trace_path,
-            policies=names,
-            modes=mode_list,
-            seeds=seeds,
-            rates=list(rates) or None,
-            grid=grid,
-            sample_interval=sample_interval,
-            **common,
+            names,
+            seeds[0],
+            grid,
+            slo_ttft_p90,
+            slo_tpot_p90,
+            rate_tol,
+            common,
+            out_dir,
+            as_json,
         )
-    except kvroute.KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+        return
+    if "poisson" in mode_list and not rates:
+        raise click.UsageError("--mode poisson needs --rate")
+    results = sim.sweep(
+        trace_path,
+        policies=names,
+        modes=mode_list,
+        seeds=seeds,
+        rates=list(rates) or None,
+        grid=grid,
+        sample_interval=sample_interval,
+        **common,
+    )
     elapsed = time.perf_counter() - started
     single = len(results) == 1
     if out_dir is not None:
@@ -268,8 +264,7 @@ def simulate(
             for r in results:
                 r.write(out_dir / r.spec.label)
             doc = {"trace": str(trace_path), "wall_s": elapsed, "runs": [_row(r) for r in results]}
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "sweep.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            write_text(out_dir / "sweep.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
     if as_json:
         doc = (
             results[0].summary
@@ -319,8 +314,7 @@ def _sustainable(
         ],
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "sustainable_rate.json").write_text(json.dumps(doc, indent=2) + "\n")
+        write_text(out_dir / "sustainable_rate.json", json.dumps(doc, indent=2) + "\n")
     if as_json:
         json.dump(doc, sys.stdout)
         sys.stdout.write("\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from kvroute.errors import KvrouteError
+from kvroute.cli.common import output_option
 from kvroute.synth import PROFILES, synthesize
 
 
@@ -32,12 +32,11 @@ from kvroute.synth import PROFILES, synthesize
     help="Scale the profile to N requests, sessions in proportion (default: its own size).",
 )
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=42, show_default=True)
-@click.option(
+@output_option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, writable=True, path_type=Path),
     required=True,
-    help="Parquet file to write (canonical trace format, zstd).",
+    help="Parquet file to write (canonical trace format, zstd; refused if it exists).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the achieved statistics as JSON.")
 @click.option(
@@ -50,6 +49,7 @@ def synth(
     requests: int | None,
     seed: int,
     output: Path,
+    force: bool,
     as_json: bool,
     progress: bool | None,
 ) -> None:
@@ -61,10 +61,7 @@ def synth(
     kvroute trace synth --requests 20000 -o small.parquet                # scaled down
     """
     show = sys.stderr.isatty() if progress is None else progress
-    try:
-        stats = synthesize(profile, output, requests=requests, seed=seed, progress=show)
-    except (KvrouteError, OSError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    stats = synthesize(profile, output, requests=requests, seed=seed, progress=show, force=force)
     if as_json:
         click.echo(json.dumps(stats.to_dict(), sort_keys=True))
         return

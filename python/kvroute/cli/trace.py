@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
+from kvroute.cli.common import output_option
 from kvroute.cli.synth import synth
-from kvroute.errors import KvrouteError
+from kvroute.files import read_parquet
 from kvroute.trace import FORMATS, read_trace_with_report, write_trace
 from kvroute.trace_ops import MODELS, annotate_ttp, cap_sessions, plot_cdf, sample, trace_stats
 
@@ -69,32 +69,25 @@ def _load(
     on_error: str,
     tokenizer: str | None,
 ) -> Any:
-    try:
-        table, report = read_trace_with_report(
-            source,
-            format=fmt,
-            block_size=block_size,
-            infer_sessions=infer_sessions,
-            on_error="skip" if on_error == "skip" else "raise",
-            tokenizer=tokenizer,
-        )
-    except KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
+    table, report = read_trace_with_report(
+        source,
+        format=fmt,
+        block_size=block_size,
+        infer_sessions=infer_sessions,
+        on_error="skip" if on_error == "skip" else "raise",
+        tokenizer=tokenizer,
+    )
     _err.print(f"[dim]{report.summary()}[/dim]", highlight=False)
     return table
 
 
-def _output(table: Any, output: Path) -> None:
-    write_trace(table, output)
+def _output(table: Any, output: Path, force: bool) -> None:
+    write_trace(table, output, force=force)
     _err.print(f"[dim]wrote {table.num_rows} requests to {output}[/dim]", highlight=False)
 
 
-_output_option = click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    required=True,
-    help="Parquet file to write.",
+_output_option = output_option(
+    "-o", "--output", required=True, help="Parquet file to write (refused if it exists)."
 )
 
 
@@ -109,9 +102,9 @@ trace.add_command(synth)
 @trace.command()
 @_input_options
 @_output_option
-def convert(output: Path, **read: Any) -> None:
+def convert(output: Path, force: bool, **read: Any) -> None:
     """Convert a trace to the canonical Parquet format."""
-    _output(_load(**read), output)
+    _output(_load(**read), output, force)
 
 
 @trace.command("sample")
@@ -135,6 +128,7 @@ def convert(output: Path, **read: Any) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def sample_cmd(
     output: Path,
+    force: bool,
     window_seconds: float | None,
     window_start: float,
     sample_ratio: float,
@@ -151,16 +145,16 @@ def sample_cmd(
         max_single_turn_ratio=max_single_turn_ratio,
         seed=seed,
     )
-    _output(table, output)
+    _output(table, output, force)
 
 
 @trace.command("cap")
 @_input_options
 @_output_option
 @click.option("--max-turns", type=click.IntRange(min=1), default=8, show_default=True)
-def cap_cmd(output: Path, max_turns: int, **read: Any) -> None:
+def cap_cmd(output: Path, force: bool, max_turns: int, **read: Any) -> None:
     """Keep the first --max-turns requests of every session (the `capped` ablation)."""
-    _output(cap_sessions(_load(**read), max_turns), output)
+    _output(cap_sessions(_load(**read), max_turns), output, force)
 
 
 @trace.command("annotate-ttp")
@@ -173,16 +167,13 @@ def cap_cmd(output: Path, max_turns: int, **read: Any) -> None:
     default=None,
     help="Parquet with request_id and finish (s) of each request.",
 )
-def annotate_ttp_cmd(output: Path, finish_path: Path | None, **read: Any) -> None:
+def annotate_ttp_cmd(output: Path, force: bool, finish_path: Path | None, **read: Any) -> None:
     """Fill time_to_parent_chat (from parent finish times when given, else parent starts)."""
-    finish = pq.read_table(finish_path) if finish_path else None
-    try:
-        table = annotate_ttp(_load(**read), finish)
-    except KvrouteError as exc:
-        raise click.ClickException(str(exc)) from exc
+    finish = read_parquet(finish_path) if finish_path else None
+    table = annotate_ttp(_load(**read), finish)
     basis = (table.schema.metadata or {}).get(b"kvroute.ttp_basis", b"?").decode()
     _err.print(f"[dim]time_to_parent_chat measured from the parent's {basis}[/dim]")
-    _output(table, output)
+    _output(table, output, force)
 
 
 @trace.command()
@@ -195,18 +186,13 @@ def annotate_ttp_cmd(output: Path, finish_path: Path | None, **read: Any) -> Non
     help="Model whose KV bytes per token size the footprint.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the length and KV-footprint CDFs to this PNG.",
-)
-def stats(model: str, as_json: bool, plot: Path | None, **read: Any) -> None:
+@output_option("--plot", default=None, help="Write the length and KV-footprint CDFs to this PNG.")
+def stats(model: str, as_json: bool, plot: Path | None, force: bool, **read: Any) -> None:
     """Requests, sessions, turns, lengths and KV footprint of a trace."""
     table = _load(**read)
     s = trace_stats(table, model=model)
     if plot is not None:
-        plot_cdf(table, plot, kv_bytes_per_token=s["kv_bytes_per_token"])
+        plot_cdf(table, plot, kv_bytes_per_token=s["kv_bytes_per_token"], force=force)
     if as_json:
         json.dump(s, sys.stdout)
         sys.stdout.write("\n")

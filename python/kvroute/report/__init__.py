@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from kvroute.files import write_text
 from kvroute.report.analysis import Report, analyze
 from kvroute.report.runs import Run, load_runs, make_run
 from kvroute.report.slow import CAUSES, SlowConfig, label_slow
@@ -53,10 +54,11 @@ def write_report(
 
         pngs = write_figures(rep, out_dir / "figures", trace)
     rel = [str(p.relative_to(out_dir)) for p in pngs]
-    md = out_dir / "report.md"
-    md.write_text(markdown(rep, rel, title))
-    js = out_dir / "report.json"
-    js.write_text(json.dumps(rep.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+    md = write_text(out_dir / "report.md", markdown(rep, rel, title))
+    js = write_text(
+        out_dir / "report.json",
+        json.dumps(rep.to_dict(), indent=2, sort_keys=True, default=str) + "\n",
+    )
     return {"markdown": md, "json": js, "figures": pngs}
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 from matplotlib.figure import Figure
 
+from kvroute.files import save_figure
 from kvroute.report.analysis import Report
 from kvroute.report.render import CAUSE_NAMES
 from kvroute.report.slow import CAUSES
@@ -26,10 +27,10 @@ CAUSE_COLORS = ("tab:red", "tab:orange", "tab:blue", "tab:gray")
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, dpi=DPI)
+    finally:
+        plt.close(fig)
 
 
 def _groups(report: Report) -> tuple[list[str], list[str]]:

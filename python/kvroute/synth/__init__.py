@@ -48,11 +48,11 @@ The pieces: :mod:`~kvroute.synth.profiles` (parameters and targets),
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 from kvroute.errors import InvalidArgumentError
+from kvroute.files import atomic_output, check_output
 from kvroute.synth.plan import build_plan
 from kvroute.synth.profiles import BLOCK_SIZE, KV_BYTES_PER_TOKEN, PROFILES, Profile, Target
 from kvroute.synth.stats import SynthStats, plan_stats
@@ -76,12 +76,14 @@ def synthesize(
     requests: int | None = None,
     seed: int = 42,
     progress: bool = False,
+    force: bool = True,
 ) -> SynthStats:
     """Write a synthetic trace of ``profile`` (a key of :data:`PROFILES`) to ``path``
     (canonical Parquet) and return what it achieved next to the profile's targets.
 
     ``requests`` scales the profile (sessions in proportion; default: the profile's own
-    size). The same arguments always produce a byte-identical file."""
+    size). The same arguments always produce a byte-identical file, written atomically
+    (:mod:`kvroute.files`; ``force=False`` refuses an existing one)."""
     if profile not in PROFILES:
         raise InvalidArgumentError(
             f"unknown synth profile {profile!r}; profiles: {', '.join(PROFILES)}"
@@ -93,10 +95,7 @@ def synthesize(
     if not 0 <= seed < 2**63:
         raise InvalidArgumentError(f"seed must be in [0, 2^63), got {seed}")
     started = time.perf_counter()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed at the end: no half-written trace on failure.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    out = check_output(path, force=force)
     bar = progress_bar(p.name) if progress else None
     try:
         if bar:
@@ -105,12 +104,11 @@ def synthesize(
         plan, per_prefix = build_plan(p, n_req, seed)
         if bar:
             bar.update(planning, total=1, completed=1)
-        write_trace(plan, tmp, n_req, bar)
-        os.replace(tmp, out)
+        with atomic_output(out, force=force) as tmp:
+            write_trace(plan, tmp, n_req, bar)
     finally:
         if bar:
             bar.stop()
-        tmp.unlink(missing_ok=True)
     stats = plan_stats(plan, per_prefix, n_req, out)
     stats.elapsed_s = time.perf_counter() - started
     stats.file_bytes = out.stat().st_size

@@ -92,6 +92,7 @@ def write_trace(plan: Plan, path: Path, n_req_arg: int, bar: Any) -> None:
         use_dictionary=["session_id", "turn", "type"],
         data_page_size=8 << 20,
         write_statistics=["request_id", "timestamp", "session_id", "turn"],
+        write_page_checksum=True,
     ) as writer:
         for a, b in _chunks(plan):
             rows = plan.order[a:b]
