@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvroute import _core
-from kvroute.errors import InvalidArgumentError, KvrouteTypeError
+from kvroute.errors import InvalidArgumentError, KvrouteError, KvrouteTypeError
 from kvroute.files import read_parquet, read_parquet_schema
 from kvroute.schema import block_size_of
 
@@ -90,13 +90,16 @@ class Ceilings:
         }
 
 
+MAX_SIZE = 1 << 40
+
+
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer | float):
         raise KvrouteTypeError(f"{name} must be an int, got {type(value).__name__}")
     if isinstance(value, float) and not value.is_integer():
         raise InvalidArgumentError(f"{name} must be a whole number, got {value}")
-    if int(value) < 1:
-        raise InvalidArgumentError(f"{name} must be positive, got {value}")
+    if not 1 <= int(value) <= MAX_SIZE:
+        raise InvalidArgumentError(f"{name} must be in [1, 2**40], got {value}")
     return int(value)
 
 
@@ -194,9 +197,11 @@ def ceilings(
     ``False`` never; a callable gets ``(done, total)`` about every 100 ms.
     """
     need = [*COLUMNS, "request_id"] if per_request else list(COLUMNS)
-    data, recorded, _name = _load(trace, need)
+    data, recorded, name = _load(trace, need)
     bs = _positive_int(block_size, "block_size") if block_size is not None else recorded or 512
     ms = _positive_int(min_sessions, "min_sessions")
+    if capacities is not None and not isinstance(capacities, Sequence):
+        raise KvrouteTypeError(f"capacities must be a sequence of ints, got {capacities!r:.40}")
     caps = [_positive_int(c, "every capacity") for c in capacities or ()]
     # Give back what pyarrow's allocator kept from reading the trace before Rust allocates.
     pa.default_memory_pool().release_unused()
@@ -216,6 +221,8 @@ def ceilings(
             per_request=per_request,
             progress=callback,
         )
+    except KvrouteError as exc:
+        raise type(exc)(f"{name}: {exc}") from exc
     finally:
         if bar is not None:
             bar.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,8 @@ def is_count(v: Any) -> str | None:
 
 
 def is_number(v: Any) -> str | None:
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and v == v
-    return None if ok else f"expected a number, got {v!r:.40}"
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return None if ok else f"expected a finite number, got {v!r:.40}"
 
 
 def is_str(v: Any) -> str | None:
@@ -124,7 +125,7 @@ def read_jsonl(
                     hit = row_check(one)
                     problem = None if hit is None else f"field {hit[1]}: {hit[2]}"
                 else:
-                    problem = "cannot be read with the expected types"
+                    problem = _typed_problem(raw, schema)
             if problem is not None:
                 if on_error == "raise":
                     raise InvalidArgumentError(f"{path}:{lineno}: {problem}")
@@ -173,6 +174,19 @@ def _check_line(
         if row.get(name) is not None and (problem := check(row[name])):
             return f"field {name}: {problem}"
     return None
+
+
+def _typed_problem(raw: bytes, schema: pa.Schema) -> str:
+    """Which field of a line Arrow could not read with ``schema``'s types, and why."""
+    row = json.loads(raw)
+    for f in schema:
+        if row.get(f.name) is None:
+            continue
+        try:
+            pa.array([row[f.name]], type=f.type)
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+            return f"field {f.name}: {row[f.name]!r:.40} cannot be read as {f.type} ({exc})"
+    return "cannot be read with the expected types"
 
 
 def first_json_object(path: Path) -> dict[str, Any]:

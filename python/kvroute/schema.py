@@ -23,6 +23,7 @@ O(1) for checks, O(rows) for a cast; stateless and thread-safe.
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
 
@@ -141,11 +142,50 @@ def conform(table: pa.Table, *, source: str = "table") -> pa.Table:
             raise KvrouteTypeError(
                 f"{source}: column hash_ids must be a list of uint64/int64, got {keys}"
             )
-    for name in ("timestamp", "input_length", "output_length", "hash_ids"):
-        nulls = table.column(name).null_count
-        if nulls:
-            raise InvalidArgumentError(f"{source}: column {name} has {nulls} null value(s)")
+    check_values(table, source)
     return table
+
+
+def check_values(table: pa.Table, source: str = "table") -> None:
+    """Check the values of a table with canonical column types: no nulls in required
+    columns or in keys, finite times, non-negative lengths, turns and think times. The first
+    problem is an :class:`InvalidArgumentError` ``SOURCE: row N: field F: problem`` (N
+    counts from 0). O(rows), vectorized."""
+    for name in ("request_id", *REQUIRED):
+        col = table.column(name)
+        if col.null_count:
+            _fail(source, col, col.is_null(), name, "null where a value is required")
+    keys = pc.list_flatten(table.column("hash_ids"))
+    if keys.null_count:
+        rows = pc.list_parent_indices(table.column("hash_ids"))
+        first = rows[pc.index(keys.is_null(), True).as_py()].as_py()
+        raise InvalidArgumentError(f"{source}: row {first}: field hash_ids: a null key")
+    rules: list[tuple[str, bool, bool]] = [  # column, must be finite, must be >= 0
+        ("timestamp", True, False),
+        ("time_to_parent_chat", True, True),
+        ("turn", False, True),
+        ("input_length", False, True),
+        ("output_length", False, True),
+    ]
+    for name, finite, non_negative in rules:
+        if name not in table.column_names:
+            continue
+        col = table.column(name)
+        if finite:
+            bad = pc.invert(pc.is_finite(col))
+            if pc.any(bad).as_py():
+                _fail(source, col, bad, name, "not a finite number")
+        if non_negative:
+            bad = pc.less(col, 0)
+            if pc.any(bad).as_py():
+                _fail(source, col, bad, name, "negative")
+
+
+def _fail(source: str, col: pa.ChunkedArray, bad: pa.ChunkedArray, name: str, problem: str) -> None:
+    row = pc.index(pc.fill_null(bad, False), True).as_py()
+    raise InvalidArgumentError(
+        f"{source}: row {row}: field {name}: {problem}, got {col[row].as_py()!r:.40}"
+    )
 
 
 def _cast_column(table: pa.Table, name: str, want: pa.DataType, source: str) -> pa.Table:

@@ -27,6 +27,9 @@ use crate::sessions::Affinity;
 /// that the per-instance sums cannot overflow with fewer than 2^23 requests in flight.
 pub const MAX_INPUT_LENGTH: u64 = 1 << 40;
 
+/// The most instances a router holds (each costs a few hundred bytes before any cache).
+pub const MAX_INSTANCES: usize = 1 << 16;
+
 /// Default of [`RouterConfig::pending_ttl`]: long enough for a prefill of a long prompt on a
 /// busy engine to store its blocks.
 pub const DEFAULT_PENDING_TTL: Duration = Duration::from_secs(10);
@@ -219,6 +222,11 @@ pub struct Router {
 impl Router {
     /// A router over `num_instances` available instances with empty caches.
     pub fn new(num_instances: usize, policy: Policy, config: RouterConfig) -> Result<Self> {
+        if num_instances > MAX_INSTANCES {
+            return Err(Error::InvalidArgument(format!(
+                "num_instances must be at most {MAX_INSTANCES}, got {num_instances}"
+            )));
+        }
         if config.block_size == 0 {
             return Err(Error::InvalidArgument("block_size must be positive, got 0".into()));
         }
@@ -490,14 +498,18 @@ impl Router {
         self.loads.get(instance).is_some_and(|l| l.available)
     }
 
-    /// Add an available instance with an empty cache; returns its index.
-    pub fn add_instance(&mut self) -> usize {
+    /// Add an available instance with an empty cache; returns its index. An error when the
+    /// router already has [`MAX_INSTANCES`].
+    pub fn add_instance(&mut self) -> Result<usize> {
+        if self.loads.len() >= MAX_INSTANCES {
+            return Err(Error::InvalidArgument(format!("a router holds at most {MAX_INSTANCES} instances")));
+        }
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
         self.available_totals.1 += 1;
         if let Some(e) = &mut self.events {
             e.add_instance();
         }
-        self.cache.lock().add_instance()
+        Ok(self.cache.lock().add_instance())
     }
 
     /// Empty an instance's cache model (its engine's prefix cache was reset). Its counters

@@ -211,13 +211,16 @@ fn trace<'a>(batches: &'a [RecordBatch]) -> Res<Trace<'a>> {
         let len = arrow_cast_i64(len, "input_length")?;
         for (i, &v) in len.iter().enumerate() {
             let v = u64::try_from(v)
-                .map_err(|_| Bad::Invalid(format!("input_length of row {} is negative: {v}", base + i)))?;
+                .map_err(|_| Bad::Invalid(format!("row {}: field input_length: negative, got {v}", base + i)))?;
             t.input_length.push(v);
         }
         for key in session_keys(column(batch, "session_id")?, base)? {
             let next = sessions.len() as u32;
             t.session.push(*sessions.entry(key).or_insert(next));
         }
+    }
+    if let Some((row, v)) = stamps.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return Err(Bad::Invalid(format!("row {row}: field timestamp: not a finite number, got {v}")));
     }
     t.num_sessions = sessions.len();
     t.order = stable_order(&stamps).map_err(|e| Bad::Invalid(e.to_string()))?;

@@ -26,6 +26,42 @@ pub fn id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Id> {
     }
 }
 
+/// A str argument.
+pub fn text(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+    match obj.cast::<PyString>() {
+        Ok(s) => Ok(s.to_str()?.to_owned()),
+        Err(_) => Err(wrong_type(obj.py(), format!("{name} must be a str, got {}", describe(obj)))),
+    }
+}
+
+/// A str argument with a default, checked (and named) by [`TextArg::get`] like [`IntArg`].
+pub struct TextArg(Result<std::borrow::Cow<'static, str>, String>);
+
+impl TextArg {
+    /// A default value.
+    pub const fn of(v: &'static str) -> Self {
+        Self(Ok(std::borrow::Cow::Borrowed(v)))
+    }
+
+    pub fn get(&self, py: Python<'_>, name: &str) -> PyResult<&str> {
+        match &self.0 {
+            Ok(s) => Ok(s),
+            Err(what) => Err(wrong_type(py, format!("{name} must be a str, got {what}"))),
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for TextArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Self(match obj.cast::<PyString>() {
+            Ok(s) => Ok(std::borrow::Cow::Owned(s.to_str()?.to_owned())),
+            Err(_) => Err(describe(&obj)),
+        }))
+    }
+}
+
 /// An optional id; `None` stays `None`.
 pub fn optional_id(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<Id>> {
     match obj {
@@ -68,6 +104,88 @@ fn is_integer(obj: &Bound<'_, PyAny>) -> bool {
     }
     obj.is_instance_of::<PyInt>()
         || (obj.hasattr("dtype").unwrap_or(false) && obj.hasattr("__index__").unwrap_or(false))
+}
+
+/// How a numeric argument failed to be a number, for [`IntArg::get`] / [`RealArg::get`].
+enum Problem {
+    Type(String),
+    Range(String),
+}
+
+/// An integer argument as Python passed it. Extraction never fails, so that the check in
+/// [`IntArg::get`] can name the argument and raise kvroute's errors: a wrong type is a
+/// `KvrouteTypeError`, a value out of range an `InvalidArgumentError`.
+pub struct IntArg(Result<i128, Problem>);
+
+impl IntArg {
+    /// A default value.
+    pub const fn of(v: i64) -> Self {
+        Self(Ok(v as i128))
+    }
+
+    /// The value as `T`, if it is an int in `lo..=hi`.
+    pub fn get<T: TryFrom<i128>>(&self, py: Python<'_>, name: &str, lo: i128, hi: i128) -> PyResult<T> {
+        let range = || format!("{name} must be an int in [{lo}, {hi}]");
+        match &self.0 {
+            Err(Problem::Type(what)) => Err(wrong_type(py, format!("{name} must be an int, got {what}"))),
+            Err(Problem::Range(repr)) => Err(invalid(py, format!("{}, got {repr}", range()))),
+            Ok(v) if (lo..=hi).contains(v) => {
+                T::try_from(*v).map_err(|_| invalid(py, format!("{}, got {v}", range())))
+            }
+            Ok(v) => Err(invalid(py, format!("{}, got {v}", range()))),
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for IntArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if !is_integer(&obj) {
+            return Ok(Self(Err(Problem::Type(describe(&obj)))));
+        }
+        Ok(Self(obj.extract::<i128>().map_err(|_| Problem::Range(describe(&obj)))))
+    }
+}
+
+/// A real-number argument (an int or a float, not a bool or a str), checked by
+/// [`RealArg::get`] like [`IntArg`].
+pub struct RealArg(Result<f64, Problem>);
+
+impl RealArg {
+    /// A default value.
+    pub const fn of(v: f64) -> Self {
+        Self(Ok(v))
+    }
+
+    /// The value, if it is finite and at least `min`.
+    pub fn get(&self, py: Python<'_>, name: &str, min: f64) -> PyResult<f64> {
+        match &self.0 {
+            Err(Problem::Type(what)) => Err(wrong_type(py, format!("{name} must be a number, got {what}"))),
+            Ok(v) if v.is_finite() && *v >= min => Ok(*v),
+            Ok(v) => Err(invalid(py, format!("{name} must be a finite number >= {min}, got {v}"))),
+            Err(Problem::Range(repr)) => {
+                Err(invalid(py, format!("{name} must be a finite number >= {min}, got {repr}")))
+            }
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RealArg {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let numpy_float = || {
+            obj.hasattr("dtype").unwrap_or(false)
+                && obj.hasattr("__float__").unwrap_or(false)
+                && !obj.get_type().name().is_ok_and(|n| n == "bool")
+        };
+        let number = obj.is_instance_of::<PyFloat>() || is_integer(&obj) || numpy_float();
+        if !number || obj.is_instance_of::<PyBool>() {
+            return Ok(Self(Err(Problem::Type(describe(&obj)))));
+        }
+        Ok(Self(obj.extract::<f64>().map_err(|_| Problem::Range(describe(&obj)))))
+    }
 }
 
 /// Block keys, borrowed from a contiguous uint64 array or collected from anything else.

@@ -7,15 +7,15 @@ use kvroute_core::Policy;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use crate::convert::{self, Tokens};
+use crate::convert::{self, IntArg, Tokens};
 use crate::errors::invalid;
 
 /// Prefix-chained 64-bit block keys of `token_ids`, one per `block_size` tokens.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size = 512))]
+#[pyo3(signature = (token_ids, block_size = IntArg::of(512)), text_signature = "(token_ids, block_size=512)")]
 pub fn block_hashes<'py>(
     token_ids: &Bound<'py, PyAny>,
-    block_size: i64,
+    block_size: IntArg,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let py = token_ids.py();
     let bs = block_size_arg(py, block_size)?;
@@ -40,12 +40,9 @@ pub fn block_hashes<'py>(
     Ok(keys.into_pyarray(py))
 }
 
-/// A `block_size` argument: a positive integer.
-fn block_size_arg(py: Python<'_>, block_size: i64) -> PyResult<usize> {
-    usize::try_from(block_size)
-        .ok()
-        .filter(|&b| b > 0)
-        .ok_or_else(|| invalid(py, format!("block_size must be positive, got {block_size}")))
+/// A `block_size` argument: a positive integer (at most 2**32 tokens).
+fn block_size_arg(py: Python<'_>, block_size: IntArg) -> PyResult<usize> {
+    block_size.get(py, "block_size", 1, 1 << 32)
 }
 
 /// Hash a numpy array in place when it is contiguous, else a copy of it.
@@ -96,7 +93,7 @@ pub fn sequence_keys<'py>(
     tail: &Bound<'py, PyAny>,
     output: &Bound<'py, PyAny>,
     generated: &Bound<'py, PyAny>,
-    block_size: i64,
+    block_size: IntArg,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let py = prompt_keys.py();
     let bs = block_size_arg(py, block_size)?;

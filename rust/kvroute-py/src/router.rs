@@ -6,11 +6,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use std::time::Duration;
 
+use kvroute_core::router::MAX_INSTANCES;
 use kvroute_core::{CacheRule, CacheView, Policy, PolicyParams, Router, RouterConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::convert::{self, count, id, keys, optional_id};
+use crate::convert::{self, count, id, keys, optional_id, IntArg, RealArg, TextArg};
 use crate::errors::{invalid, to_py};
 use crate::kv_events::{applied_dict, batch_of, view_dict};
 
@@ -33,66 +34,66 @@ impl PyRouter {
     }
 }
 
-fn positive(py: Python<'_>, value: i64, name: &str) -> PyResult<u64> {
-    u64::try_from(value)
-        .ok()
-        .filter(|&v| v > 0)
-        .ok_or_else(|| invalid(py, format!("{name} must be positive, got {value}")))
+/// The largest size argument (blocks, sessions, tokens) a router takes: 2**40.
+const MAX_SIZE: i128 = 1 << 40;
+
+/// An optional size in `1..=MAX_SIZE`.
+fn size(py: Python<'_>, arg: Option<IntArg>, name: &str) -> PyResult<Option<usize>> {
+    arg.map(|a| a.get(py, name, 1, MAX_SIZE)).transpose()
 }
 
 #[pymethods]
 impl PyRouter {
     #[new]
-    #[pyo3(signature = (num_instances, policy = "unified", *, block_size = 512, cache_capacity_blocks = None,
-        cache_rule = "trace", max_sessions = None, overload_factor = 2.0, hit_ratio_gate = 0.5, seed = 0, cache_threshold = 0.5, balance_abs = 32,
-        balance_rel = 1.1, overlap_weight = 1.0, temperature = 0.0, cache_view = "estimate", pending_ttl_s = 10.0))]
+    #[pyo3(signature = (num_instances, policy = TextArg::of("unified"), *, block_size = IntArg::of(512), cache_capacity_blocks = None,
+        cache_rule = TextArg::of("trace"), max_sessions = None, overload_factor = RealArg::of(2.0), hit_ratio_gate = RealArg::of(0.5),
+        seed = IntArg::of(0), cache_threshold = RealArg::of(0.5), balance_abs = IntArg::of(32),
+        balance_rel = RealArg::of(1.1), overlap_weight = RealArg::of(1.0), temperature = RealArg::of(0.0),
+        cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0)),
+        text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
+        cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
+        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        num_instances: i64,
-        policy: &str,
-        block_size: i64,
-        cache_capacity_blocks: Option<i64>,
-        cache_rule: &str,
-        max_sessions: Option<i64>,
-        overload_factor: f64,
-        hit_ratio_gate: f64,
-        seed: i64,
-        cache_threshold: f64,
-        balance_abs: i64,
-        balance_rel: f64,
-        overlap_weight: f64,
-        temperature: f64,
-        cache_view: &str,
-        pending_ttl_s: f64,
+        num_instances: IntArg,
+        policy: TextArg,
+        block_size: IntArg,
+        cache_capacity_blocks: Option<IntArg>,
+        cache_rule: TextArg,
+        max_sessions: Option<IntArg>,
+        overload_factor: RealArg,
+        hit_ratio_gate: RealArg,
+        seed: IntArg,
+        cache_threshold: RealArg,
+        balance_abs: IntArg,
+        balance_rel: RealArg,
+        overlap_weight: RealArg,
+        temperature: RealArg,
+        cache_view: TextArg,
+        pending_ttl_s: RealArg,
     ) -> PyResult<Self> {
-        let pending_ttl = Duration::try_from_secs_f64(pending_ttl_s)
-            .map_err(|_| invalid(py, format!("pending_ttl_s must be a number >= 0, got {pending_ttl_s}")))?;
-        let n = usize::try_from(num_instances)
-            .map_err(|_| invalid(py, format!("num_instances must be >= 0, got {num_instances}")))?;
-        let policy = Policy::from_name(policy).map_err(|e| to_py(py, e))?;
-        let capacity = cache_capacity_blocks.map(|c| positive(py, c, "cache_capacity_blocks")).transpose()?;
+        let max_instances = MAX_INSTANCES as i128;
+        let n: usize = num_instances.get(py, "num_instances", 0, max_instances)?;
+        let policy = Policy::from_name(policy.get(py, "policy")?).map_err(|e| to_py(py, e))?;
+        let real = |arg: &RealArg, name: &str| arg.get(py, name, f64::MIN);
         let config = RouterConfig {
-            block_size: positive(py, block_size, "block_size")?,
-            cache_capacity_blocks: capacity.map(|c| c as usize),
-            cache_rule: CacheRule::from_name(cache_rule).map_err(|e| to_py(py, e))?,
-            max_sessions: max_sessions
-                .map(|c| positive(py, c, "max_sessions"))
-                .transpose()?
-                .map(|c| c as usize),
-            seed: u64::try_from(seed).map_err(|_| invalid(py, format!("seed must be >= 0, got {seed}")))?,
+            block_size: block_size.get(py, "block_size", 1, MAX_SIZE)?,
+            cache_capacity_blocks: size(py, cache_capacity_blocks, "cache_capacity_blocks")?,
+            cache_rule: CacheRule::from_name(cache_rule.get(py, "cache_rule")?).map_err(|e| to_py(py, e))?,
+            max_sessions: size(py, max_sessions, "max_sessions")?,
+            seed: seed.get(py, "seed", 0, u64::MAX.into())?,
             params: PolicyParams {
-                overload_factor,
-                hit_ratio_gate,
-                cache_threshold,
-                balance_abs: u64::try_from(balance_abs)
-                    .map_err(|_| invalid(py, format!("balance_abs must be >= 0, got {balance_abs}")))?,
-                balance_rel,
-                overlap_weight,
-                temperature,
+                overload_factor: real(&overload_factor, "overload_factor")?,
+                hit_ratio_gate: real(&hit_ratio_gate, "hit_ratio_gate")?,
+                cache_threshold: real(&cache_threshold, "cache_threshold")?,
+                balance_abs: balance_abs.get(py, "balance_abs", 0, u64::MAX.into())?,
+                balance_rel: real(&balance_rel, "balance_rel")?,
+                overlap_weight: real(&overlap_weight, "overlap_weight")?,
+                temperature: real(&temperature, "temperature")?,
             },
-            cache_view: CacheView::from_name(cache_view).map_err(|e| to_py(py, e))?,
-            pending_ttl,
+            cache_view: CacheView::from_name(cache_view.get(py, "cache_view")?).map_err(|e| to_py(py, e))?,
+            pending_ttl: Duration::from_secs_f64(pending_ttl_s.get(py, "pending_ttl_s", 0.0)?.min(1e9)),
         };
         let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
         Ok(Self { inner: Arc::new(Mutex::new(router)) })
@@ -156,15 +157,15 @@ impl PyRouter {
     /// Estimated cached tokens on every instance (one index walk per view); changes nothing.
     /// `view`: `"routing"` (the view routing reads for each instance), `"estimate"` or
     /// `"events"` (that view for every instance).
-    #[pyo3(signature = (hash_ids, input_length, view = "routing"))]
+    #[pyo3(signature = (hash_ids, input_length, view = TextArg::of("routing")), text_signature = "(hash_ids, input_length, view='routing')")]
     fn estimate_cache_hits(
         &self,
         hash_ids: &Bound<'_, PyAny>,
         input_length: &Bound<'_, PyAny>,
-        view: &str,
+        view: TextArg,
     ) -> PyResult<Vec<u64>> {
         let py = hash_ids.py();
-        let view = match view {
+        let view = match view.get(py, "view")? {
             "routing" => None,
             other => Some(CacheView::from_name(other).map_err(|_| {
                 invalid(py, format!("view must be 'routing', 'estimate' or 'events', got {other:?}"))
@@ -203,8 +204,8 @@ impl PyRouter {
     }
 
     /// Add an available instance with an empty cache; returns its index.
-    fn add_instance(&self) -> usize {
-        self.lock().add_instance()
+    fn add_instance(&self, py: Python<'_>) -> PyResult<usize> {
+        self.lock().add_instance().map_err(|e| to_py(py, e))
     }
 
     /// The session's affinity instance, or None.
@@ -243,10 +244,10 @@ impl PyRouter {
 
     /// Bound an instance's estimate view to `capacity` blocks (None: unbounded), e.g. its
     /// engine's real KV capacity; its least recently touched blocks beyond it are evicted.
-    fn set_cache_capacity(&self, instance: &Bound<'_, PyAny>, capacity: Option<i64>) -> PyResult<()> {
+    fn set_cache_capacity(&self, instance: &Bound<'_, PyAny>, capacity: Option<IntArg>) -> PyResult<()> {
         let py = instance.py();
         let inst = self.instance(instance)?;
-        let capacity = capacity.map(|c| positive(py, c, "capacity")).transpose()?.map(|c| c as usize);
+        let capacity = size(py, capacity, "capacity")?;
         self.lock().set_cache_capacity(inst as i64, capacity).map_err(|e| to_py(py, e))
     }
 
@@ -255,17 +256,18 @@ impl PyRouter {
     /// rank]`), `seq` its sequence number, `replayed` whether it came from the engine's replay
     /// socket. Returns `{"outcome": "applied" | "duplicate" | "gap", "expected", "reset",
     /// "degraded"}` (docs/kv-events.md). Needs `cache_view="events"`.
-    #[pyo3(signature = (instance, seq, batch, *, replayed = false))]
+    #[pyo3(signature = (instance, seq, batch, *, replayed = None), text_signature = "(instance, seq, batch, *, replayed=False)")]
     fn apply_kv_events<'py>(
         &self,
         instance: &Bound<'py, PyAny>,
         seq: &Bound<'py, PyAny>,
         batch: &Bound<'py, PyAny>,
-        replayed: bool,
+        replayed: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let py = instance.py();
         let inst = self.instance(instance)?;
         let seq = count(seq, "seq")?;
+        let replayed = replayed.map(|r| convert::flag(r, "replayed")).transpose()?.unwrap_or(false);
         let batch = batch_of(batch, seq)?;
         let applied =
             self.lock().apply_kv_events(inst as i64, seq, &batch, replayed).map_err(|e| to_py(py, e))?;
@@ -274,9 +276,12 @@ impl PyRouter {
 
     /// An instance's rank missed batches that cannot be replayed: its view turns degraded
     /// (routed on the estimate) and takes the next batch as a new start.
-    fn kv_resync(&self, instance: &Bound<'_, PyAny>, rank: u32, reason: &str) -> PyResult<()> {
+    fn kv_resync(&self, instance: &Bound<'_, PyAny>, rank: IntArg, reason: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = instance.py();
         let inst = self.instance(instance)?;
-        self.lock().kv_resync(inst as i64, rank, reason).map_err(|e| to_py(instance.py(), e))
+        let rank = rank.get(py, "rank", 0, u32::MAX.into())?;
+        let reason = convert::text(reason, "reason")?;
+        self.lock().kv_resync(inst as i64, rank, &reason).map_err(|e| to_py(py, e))
     }
 
     /// An instance's engine restarted: drop its events view until its sequence 0 arrives.

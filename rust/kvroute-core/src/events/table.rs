@@ -23,14 +23,20 @@ impl<V: IndexValue> Default for Table<V> {
     }
 }
 
+/// The most keys a table reserves room for before they arrive (4 Mi keys: 64 MiB of
+/// `u64 -> u64` buckets), so that a capacity given by a caller cannot allocate without
+/// bound; a table holding more grows as keys come.
+pub const RESERVE_LIMIT: usize = 1 << 22;
+
 impl<V: IndexValue> Table<V> {
     fn with_buckets(n: usize) -> Self {
         Self { keys: vec![0; n], vals: vec![V::VACANT; n], len: 0 }
     }
 
-    /// A table that holds `n` keys without growing.
+    /// A table that holds `n` keys without growing (at most [`RESERVE_LIMIT`] reserved
+    /// up front; beyond it the table grows on demand).
     pub fn with_capacity(n: usize) -> Self {
-        Self::with_buckets((n * 8).div_ceil(7).max(8))
+        Self::with_buckets((n.min(RESERVE_LIMIT) * 8).div_ceil(7).max(8))
     }
 
     pub fn len(&self) -> usize {
@@ -148,8 +154,9 @@ impl<V: IndexValue> Table<V> {
         self.keys.iter().zip(&self.vals).filter(|(_, v)| **v != V::VACANT).map(|(k, v)| (*k, *v))
     }
 
-    /// Make room for `n` keys in all.
+    /// Make room for `n` keys in all (at most [`RESERVE_LIMIT`]).
     pub fn reserve(&mut self, n: usize) {
+        let n = n.min(RESERVE_LIMIT);
         if 8 * n > 7 * self.keys.len() {
             self.rehash(Self::with_capacity(n).keys.len());
         }

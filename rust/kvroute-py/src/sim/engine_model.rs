@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use super::build_params;
-use crate::convert::{count, id, keys};
+use crate::convert::{count, id, keys, RealArg, TextArg};
 use crate::errors::to_py;
 
 /// One simulated vLLM engine driven by the caller's clock (see `docs/simulator.md`).
@@ -36,8 +36,10 @@ fn id_to_py<'py>(py: Python<'py>, id: &Id) -> PyResult<Bound<'py, PyAny>> {
 #[pymethods]
 impl PyEngineModel {
     #[new]
-    #[pyo3(signature = (preset = "h20-qwen3-coder-30b-a3b", **overrides))]
-    fn new(py: Python<'_>, preset: &str, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+    #[pyo3(signature = (preset = TextArg::of("h20-qwen3-coder-30b-a3b"), **overrides),
+        text_signature = "(preset='h20-qwen3-coder-30b-a3b', **overrides)")]
+    fn new(py: Python<'_>, preset: TextArg, overrides: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let preset = preset.get(py, "preset")?;
         let p = build_params(py, preset, overrides)?;
         Ok(Self {
             inner: Mutex::new(LiveEngine::new(p).map_err(|e| to_py(py, e))?),
@@ -53,9 +55,10 @@ impl PyEngineModel {
         hash_ids: &Bound<'_, PyAny>,
         input_length: &Bound<'_, PyAny>,
         output_length: &Bound<'_, PyAny>,
-        now: f64,
+        now: RealArg,
     ) -> PyResult<()> {
         let py = request_id.py();
+        let now = now.get(py, "now", 0.0)?;
         let rid = id(request_id, "request_id")?;
         let k = keys(hash_ids, "hash_ids")?.as_slice().to_vec();
         let n_in = count(input_length, "input_length")?;
@@ -70,7 +73,8 @@ impl PyEngineModel {
 
     /// Every event up to `now`, in time order: `("first_token", id, t, cached_tokens)`,
     /// `("tokens", id, t, generated_so_far)`, `("finish", id, t)`.
-    fn advance<'py>(&self, py: Python<'py>, now: f64) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    fn advance<'py>(&self, py: Python<'py>, now: RealArg) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        let now = now.get(py, "now", 0.0)?;
         let events = self.lock().advance(now).map_err(|e| to_py(py, e))?;
         events
             .iter()

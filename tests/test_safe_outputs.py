@@ -1,0 +1,193 @@
+"""No lost data: atomic outputs under SIGKILL, SIGTERM and SIGINT, refusal to overwrite,
+and Parquet page checksums verified on read (docs/trace-format.md, "Guarantees")."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+import kvroute
+from kvroute.cli import main
+from kvroute.files import atomic_output
+
+KVROUTE = [sys.executable, "-m", "kvroute"]
+# Large enough that writing the file takes a few hundred ms on 2 cores.
+SYNTH_REQUESTS = "60000"
+
+
+def _synth(out: Path) -> subprocess.Popen[bytes]:
+    cmd = [*KVROUTE, "trace", "synth", "--requests", SYNTH_REQUESTS, "--force", "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _temps(folder: Path) -> list[Path]:
+    return sorted(folder.glob(".*.tmp-*"))
+
+
+def _wait_for_temp(proc: subprocess.Popen[bytes], folder: Path, limit_s: float = 120) -> float:
+    """Time at which the output's temporary file appeared (the write began)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if _temps(folder):
+            return time.monotonic()
+        if proc.poll() is not None:
+            raise AssertionError(f"finished before writing: {proc.stderr.read()!r}")  # type: ignore[union-attr]
+        time.sleep(0.002)
+    raise AssertionError("no temporary file appeared")
+
+
+@pytest.fixture(scope="module")
+def write_seconds(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """How long the synth command spends writing its file (temp file to rename)."""
+    folder = tmp_path_factory.mktemp("calibrate")
+    proc = _synth(folder / "t.parquet")
+    began = _wait_for_temp(proc, folder)
+    assert proc.wait(timeout=120) == 0
+    return max(time.monotonic() - began, 0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+def test_killed_while_writing_keeps_the_old_file(
+    tmp_path: Path, write_seconds: float, sig: signal.Signals, fraction: float
+) -> None:
+    target = tmp_path / "trace.parquet"
+    old = kvroute.read_trace(Path(__file__).parent.parent / "traces" / "mooncake_conversation_head1000.jsonl")
+    kvroute.write_trace(old, target)
+    before = target.read_bytes()
+    proc = _synth(target)
+    began = _wait_for_temp(proc, tmp_path)
+    time.sleep(max(began + fraction * write_seconds - time.monotonic(), 0))
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=60)
+    stderr = proc.stderr.read().decode()  # type: ignore[union-attr]
+    if rc == 0:  # the write won the race: the new file is whole
+        assert pq.read_table(target).num_rows == int(SYNTH_REQUESTS)
+        return
+    assert target.read_bytes() == before, "the previous file was changed"
+    assert kvroute.read_trace(target).num_rows == old.num_rows
+    if sig == signal.SIGTERM:
+        assert rc == 143, stderr
+        assert "interrupted (SIGTERM)" in stderr and "Traceback" not in stderr
+        assert not _temps(tmp_path), "a temporary file was left behind"
+    else:
+        assert rc == -signal.SIGKILL
+
+
+def test_sigint_says_nothing_was_written(tmp_path: Path, write_seconds: float) -> None:
+    target = tmp_path / "trace.parquet"
+    proc = _synth(target)
+    began = _wait_for_temp(proc, tmp_path)
+    time.sleep(max(began + 0.3 * write_seconds - time.monotonic(), 0))
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    stderr = proc.stderr.read().decode()  # type: ignore[union-attr]
+    if rc == 0:
+        pytest.skip("the write finished before the signal arrived")
+    assert rc == 130, stderr
+    assert "interrupted (SIGINT): no output was written" in stderr
+    assert "Aborted" not in stderr and "Traceback" not in stderr
+    assert not target.exists() and not _temps(tmp_path)
+
+
+def test_atomic_output_error_leaves_target_and_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "x.txt"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_output(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+    assert target.read_text() == "old" and not _temps(tmp_path)
+    with atomic_output(target) as tmp:
+        tmp.write_text("new")
+    assert target.read_text() == "new" and not _temps(tmp_path)
+    assert oct(target.stat().st_mode & 0o777) != oct(0o600)  # umask-default, not mkstemp's
+
+
+def _bundled() -> Path:
+    return Path(__file__).parent.parent / "traces" / "mooncake_conversation_head1000.jsonl"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["trace", "convert", "{src}", "-o", "{out}"],
+        ["trace", "cap", "{src}", "-o", "{out}"],
+        ["trace", "sample", "{src}", "-o", "{out}"],
+        ["trace", "annotate-ttp", "{src}", "-o", "{out}"],
+        ["trace", "synth", "--profile", "w600", "-o", "{out}"],
+        ["trace", "stats", "{src}", "--plot", "{out}"],
+        ["ceilings", "{src}", "-o", "{out}"],
+    ],
+)
+def test_existing_output_is_refused_without_force(tmp_path: Path, command: list[str]) -> None:
+    out = tmp_path / "notes.txt"
+    out.write_text("precious")
+    args = [a.format(src=_bundled(), out=out) for a in command]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2, res.output
+    assert f"{out} exists" in res.output and "--force" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert out.read_text() == "precious"
+    res = CliRunner().invoke(main, [*args, "--force"])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes() != b"precious"
+
+
+def test_existing_output_folder_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "t.parquet"
+    kvroute.write_trace(kvroute.read_trace(_bundled()), src)
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    res = CliRunner().invoke(main, ["simulate", str(src), "--out", str(out)])
+    assert res.exit_code == 2 and "not empty" in res.output, res.output
+    res = CliRunner().invoke(main, ["simulate", str(src), "--out", str(out), "--force"])
+    assert res.exit_code == 0, res.output
+    assert (out / "summary.json").exists() and (out / "keep.txt").exists()
+
+
+def _damage_a_page(path: Path) -> None:
+    """64 bytes of 0xFF in the middle of the hash_ids column chunk's data."""
+    meta = pq.ParquetFile(path).metadata
+    rg = meta.row_group(0)
+    col = next(rg.column(i) for i in range(rg.num_columns) if rg.column(i).path_in_schema.startswith("hash_ids"))
+    start = col.data_page_offset + col.total_compressed_size // 2
+    with path.open("r+b") as f:
+        f.seek(start)
+        f.write(b"\xff" * 64)
+
+
+def test_damaged_page_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    table = kvroute.read_trace(_bundled())
+    # Uncompressed, so that the damage decodes to other values instead of a zstd error:
+    # only the checksum can tell.
+    pq.write_table(table, path, compression="none", write_page_checksum=True)
+    _damage_a_page(path)
+    unchecked = pq.read_table(path)
+    assert unchecked.column("hash_ids") != table.column("hash_ids"), "the damage went unseen"
+    with pytest.raises(kvroute.CorruptFileError, match=r"t\.parquet.*(CRC|checksum)"):
+        kvroute.read_trace(path)
+    for args in (
+        ["trace", "convert", str(path), "-o", str(tmp_path / "o.parquet")],
+        ["trace", "stats", str(path)],
+        ["ceilings", str(path)],
+        ["simulate", str(path)],
+    ):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2 and str(path) in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+
+
+def test_written_traces_carry_checksums(tmp_path: Path) -> None:
+    path = kvroute.write_trace(kvroute.read_trace(_bundled()), tmp_path / "t.parquet")
+    _damage_a_page(path)
+    with pytest.raises(kvroute.CorruptFileError, match="t.parquet"):
+        kvroute.read_trace(path)
