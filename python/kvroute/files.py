@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvroute.errors import CorruptFileError, OutputExistsError
+from kvroute.errors import CorruptFileError, InvalidArgumentError, OutputExistsError
 
 written: list[Path] = []
 """Outputs this process completed, in order (for "what was kept" after an interrupt)."""
@@ -83,8 +83,14 @@ def write_parquet(table: pa.Table, path: str | Path, *, force: bool = True) -> P
 def save_figure(fig: Any, path: str | Path, *, dpi: int, force: bool = True) -> Path:
     """Save a matplotlib figure atomically (the format from the target's suffix)."""
     out = Path(path)
+    fmt = out.suffix.lstrip(".").lower() or "png"
+    known = fig.canvas.get_supported_filetypes()
+    if fmt not in known:
+        raise InvalidArgumentError(
+            f"{out}: a figure cannot be written as {fmt!r}; use one of {', '.join(sorted(known))}"
+        )
     with atomic_output(out, force=force) as tmp:
-        fig.savefig(tmp, dpi=dpi, format=out.suffix.lstrip(".") or "png")
+        fig.savefig(tmp, dpi=dpi, format=fmt)
     return out
 
 
