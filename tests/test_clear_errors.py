@@ -35,9 +35,17 @@ BUNDLED = ROOT / "traces" / "mooncake_conversation_head1000.jsonl"
             kvroute.InvalidArgumentError,
             "cache_capacity_blocks",
         ),
-        (lambda: kvroute.Router(4, temperature=math.nan), kvroute.InvalidArgumentError, "temperature"),
+        (
+            lambda: kvroute.Router(4, temperature=math.nan),
+            kvroute.InvalidArgumentError,
+            "temperature",
+        ),
         (lambda: kvroute.block_hashes([1, 2, 3], 1.5), kvroute.KvrouteTypeError, "block_size"),
-        (lambda: kvroute.block_hashes([1, 2, 3], 2**70), kvroute.InvalidArgumentError, "block_size"),
+        (
+            lambda: kvroute.block_hashes([1, 2, 3], 2**70),
+            kvroute.InvalidArgumentError,
+            "block_size",
+        ),
         (lambda: kvroute.EngineModel(preset=7), kvroute.KvrouteTypeError, "preset"),
     ],
 )
@@ -165,6 +173,7 @@ def test_an_internal_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     cli_trace = sys.modules["kvroute.cli.trace"]
+
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("unexpected")
 
@@ -175,5 +184,7 @@ def test_an_internal_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_figure_with_unknown_format_is_bad_input(tmp_path: Path) -> None:
-    res = CliRunner().invoke(main, ["trace", "stats", str(BUNDLED), "--plot", str(tmp_path / "a.xyz")])
+    res = CliRunner().invoke(
+        main, ["trace", "stats", str(BUNDLED), "--plot", str(tmp_path / "a.xyz")]
+    )
     assert res.exit_code == 2 and "cannot be written as 'xyz'" in res.output

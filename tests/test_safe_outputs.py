@@ -166,7 +166,11 @@ def _damage_a_page(path: Path) -> None:
     """64 bytes of 0xFF in the middle of the hash_ids column chunk's data."""
     meta = pq.ParquetFile(path).metadata
     rg = meta.row_group(0)
-    col = next(rg.column(i) for i in range(rg.num_columns) if rg.column(i).path_in_schema.startswith("hash_ids"))
+    col = next(
+        rg.column(i)
+        for i in range(rg.num_columns)
+        if rg.column(i).path_in_schema.startswith("hash_ids")
+    )
     first = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
     start = first + col.total_compressed_size // 2
     with path.open("r+b") as f:
@@ -179,9 +183,7 @@ def test_damaged_page_is_an_error_naming_the_file(tmp_path: Path) -> None:
     table = kvroute.read_trace(_bundled())
     # Uncompressed, so that the damage decodes to other values instead of a zstd error:
     # only the checksum can tell.
-    pq.write_table(
-        table, path, compression="none", use_dictionary=False, write_page_checksum=True
-    )
+    pq.write_table(table, path, compression="none", use_dictionary=False, write_page_checksum=True)
     _damage_a_page(path)
     unchecked = pq.read_table(path)
     assert unchecked.column("hash_ids") != table.column("hash_ids"), "the damage went unseen"

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kvroute import _core
+from kvroute import _core, args
 from kvroute.errors import InvalidArgumentError, KvrouteError, KvrouteTypeError
 from kvroute.files import read_parquet, read_parquet_schema
 from kvroute.schema import block_size_of
@@ -115,6 +115,8 @@ def _load(trace: Any, need: Sequence[str]) -> tuple[Any, int | None, str]:
     from kvroute.trace import KEYS_KEY, read_trace
 
     if isinstance(trace, str | Path):
+        if trace == "":
+            raise InvalidArgumentError("trace path is empty")
         path = Path(trace)
         if path.suffix.lower() in (".parquet", ".pq") and path.is_file():
             names = read_parquet_schema(path).names
@@ -196,13 +198,18 @@ def ceilings(
     ``progress``: ``None`` shows a bar on a terminal after two seconds, ``True`` always does,
     ``False`` never; a callable gets ``(done, total)`` about every 100 ms.
     """
+    per_request = args.flag(per_request, "per_request")
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise KvrouteTypeError(
+            f"progress must be None, a bool or a callable, got {type(progress).__name__}"
+        )
     need = [*COLUMNS, "request_id"] if per_request else list(COLUMNS)
     data, recorded, name = _load(trace, need)
     bs = _positive_int(block_size, "block_size") if block_size is not None else recorded or 512
     ms = _positive_int(min_sessions, "min_sessions")
     if capacities is not None and not isinstance(capacities, Sequence):
         raise KvrouteTypeError(f"capacities must be a sequence of ints, got {capacities!r:.40}")
-    caps = [_positive_int(c, "every capacity") for c in capacities or ()]
+    caps = [_positive_int(c, f"capacities[{i}]") for i, c in enumerate(capacities or ())]
     # Give back what pyarrow's allocator kept from reading the trace before Rust allocates.
     pa.default_memory_pool().release_unused()
     if callable(progress):

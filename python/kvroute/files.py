@@ -35,7 +35,11 @@ written: list[Path] = []
 
 def check_output(path: str | Path, *, force: bool = False) -> Path:
     """``path`` as a Path; :class:`OutputExistsError` if it exists and ``force`` is False."""
+    if str(path) == "":
+        raise InvalidArgumentError("output path is empty")
     out = Path(path)
+    if out.is_dir():
+        raise InvalidArgumentError(f"{out} is a folder, not a file")
     if not force and out.exists():
         raise OutputExistsError(
             f"{out} exists; pass --force (force=True in Python) to overwrite it"

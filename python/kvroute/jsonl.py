@@ -162,6 +162,8 @@ def _check_line(
         row = json.loads(raw)
     except json.JSONDecodeError as exc:
         return f"not valid JSON ({exc.msg} at column {exc.colno})"
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 text (byte {exc.start})"
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
     for name, check in required.items():
@@ -196,10 +198,9 @@ def first_json_object(path: Path) -> dict[str, Any]:
             if raw.strip():
                 try:
                     obj = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise InvalidArgumentError(
-                        f"{path}:{lineno}: not valid JSON ({exc.msg})"
-                    ) from exc
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+                    raise InvalidArgumentError(f"{path}:{lineno}: not valid JSON ({why})") from exc
                 if not isinstance(obj, dict):
                     raise InvalidArgumentError(f"{path}:{lineno}: expected a JSON object")
                 return obj

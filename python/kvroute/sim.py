@@ -24,11 +24,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvroute import _core
+from kvroute import _core, args
 from kvroute.errors import InvalidArgumentError, UnknownPolicyError
 from kvroute.sim_run import RunSpec, SimResult, execute
 from kvroute.trace import read_trace
 from kvroute.trace_ops import cap_sessions
+
+MAX_INSTANCES = 1 << 16
 
 DEFAULT_PRESET = "h20-qwen3-coder-30b-a3b"
 MODES = ("tracets", "thinktime", "poisson")
@@ -73,7 +75,7 @@ def engine_params(preset: str = DEFAULT_PRESET, **overrides: float) -> dict[str,
 
 def resolve_policies(policies: str | Iterable[str]) -> list[str]:
     """``"all"`` (every core policy), ``"study"`` (the study's five), a comma list or names."""
-    names = [policies] if isinstance(policies, str) else list(policies)
+    names = args.names(policies, "policies")
     out: list[str] = []
     for name in (n.strip() for item in names for n in item.split(",")):
         expanded = {"all": _core.policies(), "study": list(STUDY_POLICIES)}.get(name, [name])
@@ -107,6 +109,21 @@ def _setup(
     infer_sessions: bool,
     need_capped: bool,
 ) -> _Setup:
+    instances = args.integer(instances, "instances", 1, MAX_INSTANCES)
+    args.text(preset, "preset")
+    engine = {
+        k: args.number(v, f"engine[{k!r}]") for k, v in args.mapping(engine, "engine").items()
+    }
+    if isinstance(router_cache, str) and router_cache != "engine":
+        raise InvalidArgumentError(
+            f"router_cache must be 'engine', None or a number of keys, got {router_cache!r}"
+        )
+    if router_cache is not None and not isinstance(router_cache, str):
+        router_cache = args.integer(router_cache, "router_cache", 1)
+    sample_interval = args.number(sample_interval, "sample_interval", 0.0)
+    closed_form = args.flag(closed_form, "closed_form")
+    cap_turns = args.integer(cap_turns, "cap_turns", 1)
+    infer_sessions = args.flag(infer_sessions, "infer_sessions")
     table = (
         read_trace(trace, infer_sessions=infer_sessions)
         if not isinstance(trace, pa.Table)
@@ -164,6 +181,13 @@ def simulate(
     preset (``kvroute.sim.engine_params()`` lists them). ``router_cache``: the router's
     cache model size in keys per instance (``"engine"``: the engine's KV pool; None:
     unbounded). ``params``: policy parameters (e.g. ``overload_factor=1.3``)."""
+    args.text(policy, "policy")
+    args.text(mode, "mode")
+    if rate is not None:
+        args.number(rate, "rate", 0.0, above=True)
+    args.integer(seed, "seed", 0, 2**63 - 1)
+    for k, v in params.items():
+        args.number(v, k)
     return sweep(
         trace,
         policies=[policy],
@@ -190,12 +214,19 @@ def sweep_specs(
     grid: Mapping[str, Sequence[float]] | None,
 ) -> list[RunSpec]:
     """The runs of a sweep: a grid parameter multiplies only the policies that read it."""
-    grid = dict(grid or {})
+    modes = args.names(modes, "modes")
+    seeds = [args.integer(v, "seeds", 0, 2**63 - 1) for v in args.sequence(seeds, "seeds")]
+    if not modes or not seeds:
+        raise InvalidArgumentError("modes and seeds must not be empty")
+    if rates is not None:
+        rates = [args.number(v, "rates", 0.0, above=True) for v in args.sequence(rates, "rates")]
+    grid = dict(args.mapping(grid, "grid"))
     for k in grid:
         if k not in PARAM_POLICIES:
             raise InvalidArgumentError(
                 f"unknown policy parameter {k!r}; known: {', '.join(PARAM_POLICIES)}"
             )
+        grid[k] = [args.number(v, k) for v in args.sequence(grid[k], f"grid[{k!r}]")]
     specs = []
     for policy, mode, seed in itertools.product(policies, modes, seeds):
         names = [k for k in grid if policy in PARAM_POLICIES[k] or len(grid[k]) == 1]
@@ -282,6 +313,15 @@ def sustainable_rate(
     every policy's probe in parallel. ``params``: policy parameters (e.g. unified's
     ``overload_factor``), given to the policies that read them."""
     names = resolve_policies(policies)
+    args.number(slo_ttft_p90, "slo_ttft_p90", 0.0, above=True)
+    args.number(slo_tpot_p90, "slo_tpot_p90", 0.0, above=True)
+    if start is not None:
+        args.number(start, "start", 0.0, above=True)
+    args.number(rel_tol, "rel_tol", 0.0, above=True)
+    args.integer(max_rounds, "max_rounds", 1, 1000)
+    args.integer(seed, "seed", 0, 2**63 - 1)
+    for k, v in args.mapping(params, "params").items():
+        args.number(v, k)
     s = _setup(
         trace,
         instances=instances,

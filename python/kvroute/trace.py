@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from kvroute import jsonl
+from kvroute import args, jsonl
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
 from kvroute.files import read_parquet, write_parquet
 from kvroute.jsonl import LoadReport, OnError
@@ -77,8 +77,17 @@ def read_trace_with_report(
     ``tokenizer``: for text traces: ``"builtin"`` (default), a ``tokenizer.json`` path, or an
     object with ``encode(text) -> uint32 array``.
     """
-    if format is not None and format not in FORMATS:
-        raise InvalidArgumentError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
+    if format is not None:
+        args.text(format, "format", FORMATS)
+    if block_size is not None:
+        block_size = args.integer(block_size, "block_size", 1, 2**32)
+    args.flag(infer_sessions, "infer_sessions")
+    args.text(on_error, "on_error", ("raise", "skip"))
+    if not (tokenizer is None or isinstance(tokenizer, str | Path) or hasattr(tokenizer, "encode")):
+        raise KvrouteTypeError(
+            "tokenizer must be None, 'builtin', a tokenizer.json path or an object with "
+            f"encode(text), got {type(tokenizer).__name__}"
+        )
     if isinstance(source, pa.Table):
         return conform(source), LoadReport("<table>", "arrow", source.num_rows)
     if type(source).__module__.startswith("polars"):
@@ -91,6 +100,8 @@ def read_trace_with_report(
             "trace must be a path, a pyarrow Table or a polars DataFrame, "
             f"got {type(source).__name__}"
         )
+    if str(source) == "":
+        raise InvalidArgumentError("trace path is empty")
     path = Path(source)
     if not path.exists():
         raise InvalidArgumentError(f"trace not found: {path}")
@@ -117,6 +128,11 @@ def write_trace(
     """Write a trace (any :func:`read_trace` source) as zstd Parquet with page checksums,
     atomically (:mod:`kvroute.files`); returns the path. ``force=False`` refuses an existing
     file (:class:`~kvroute.errors.OutputExistsError`)."""
+    if not isinstance(path, str | Path):
+        raise KvrouteTypeError(f"path must be a str or a Path, got {type(path).__name__}")
+    force = args.flag(force, "force")
+    if block_size is not None:
+        block_size = args.integer(block_size, "block_size", 1, 2**32)
     t = read_trace(table) if not isinstance(table, pa.Table) else conform(table)
     if block_size is not None:
         t = with_block_size(t, block_size)

@@ -40,8 +40,11 @@ def from_csv(path: Path, *, on_error: OnError) -> tuple[pa.Table, LoadReport]:
     ts_raw = df[names["timestamp"]]
     ts = ts_raw.cast(pl.Float64, strict=False)
     if ts.null_count() > ts_raw.null_count():
-        dt = ts_raw.str.to_datetime(strict=False, time_unit="us")
-        ts = (dt.dt.epoch("us").cast(pl.Float64) / 1e6).alias("ts")
+        try:
+            dt = ts_raw.str.to_datetime(strict=False, time_unit="us")
+            ts = (dt.dt.epoch("us").cast(pl.Float64) / 1e6).alias("ts")
+        except pl.exceptions.PolarsError:
+            pass  # no date format fits: the rows that are not numbers are reported below
     checks = {
         "timestamp": ts,
         "input_length": df[names["input_length"]].cast(pl.Int64, strict=False),

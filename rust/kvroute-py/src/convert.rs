@@ -188,6 +188,18 @@ impl<'a, 'py> FromPyObject<'a, 'py> for RealArg {
     }
 }
 
+/// A 1-D numpy array of `T` (named `dtype` in errors), read in place.
+pub fn array<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    dtype: &str,
+) -> PyResult<PyReadonlyArray1<'py, T>> {
+    match obj.cast::<PyArray1<T>>() {
+        Ok(a) => Ok(a.readonly()),
+        Err(_) => Err(wrong_type(obj.py(), format!("{name} must be a 1-D numpy {dtype} array, got {}", describe(obj)))),
+    }
+}
+
 /// Block keys, borrowed from a contiguous uint64 array or collected from anything else.
 pub enum Keys<'py> {
     /// A C-contiguous uint64 array, read in place.

@@ -67,10 +67,12 @@ pub fn chain_ids<'py>(ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u
 /// (uint64) and `offsets` (int64, one more than the lists); returns the chained values.
 #[pyfunction]
 pub fn chain_ids_lists<'py>(
-    values: PyReadonlyArray1<'py, u64>,
-    offsets: PyReadonlyArray1<'py, i64>,
+    values: &Bound<'py, PyAny>,
+    offsets: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let py = values.py();
+    let values = convert::array::<u64>(values, "values", "uint64")?;
+    let offsets = convert::array::<i64>(offsets, "offsets", "int64")?;
     let values_v = values.as_array();
     let offsets_v = offsets.as_array();
     let vals: std::borrow::Cow<'_, [u64]> =

@@ -37,7 +37,7 @@ pub enum Reject {
 impl std::fmt::Display for Reject {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let Reject::ExceedsKvCapacity { need_blocks, total_blocks } = self;
-        write!(f, "needs {need_blocks} KV blocks, the pool has {total_blocks}")
+        write!(f, "input_length + output_length need {need_blocks} KV blocks, the pool has {total_blocks}")
     }
 }
 
