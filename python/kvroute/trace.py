@@ -77,8 +77,8 @@ def read_trace_with_report(
     ``tokenizer``: for text traces: ``"builtin"`` (default), a ``tokenizer.json`` path, or an
     object with ``encode(text) -> uint32 array``.
     """
-    if format is not None:
-        args.text(format, "format", FORMATS)
+    if format is not None and args.text(format, "format") not in FORMATS:
+        raise InvalidArgumentError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
     if block_size is not None:
         block_size = args.integer(block_size, "block_size", 1, 2**32)
     args.flag(infer_sessions, "infer_sessions")

@@ -210,8 +210,9 @@ fn trace<'a>(batches: &'a [RecordBatch]) -> Res<Trace<'a>> {
         no_nulls(len.as_ref(), "input_length")?;
         let len = arrow_cast_i64(len, "input_length")?;
         for (i, &v) in len.iter().enumerate() {
-            let v = u64::try_from(v)
-                .map_err(|_| Bad::Invalid(format!("row {}: field input_length: negative, got {v}", base + i)))?;
+            let v = u64::try_from(v).map_err(|_| {
+                Bad::Invalid(format!("row {}: field input_length: negative, got {v}", base + i))
+            })?;
             t.input_length.push(v);
         }
         for key in session_keys(column(batch, "session_id")?, base)? {

@@ -196,7 +196,10 @@ pub fn array<'py, T: numpy::Element>(
 ) -> PyResult<PyReadonlyArray1<'py, T>> {
     match obj.cast::<PyArray1<T>>() {
         Ok(a) => Ok(a.readonly()),
-        Err(_) => Err(wrong_type(obj.py(), format!("{name} must be a 1-D numpy {dtype} array, got {}", describe(obj)))),
+        Err(_) => Err(wrong_type(
+            obj.py(),
+            format!("{name} must be a 1-D numpy {dtype} array, got {}", describe(obj)),
+        )),
     }
 }
 

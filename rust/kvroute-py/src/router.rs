@@ -276,7 +276,12 @@ impl PyRouter {
 
     /// An instance's rank missed batches that cannot be replayed: its view turns degraded
     /// (routed on the estimate) and takes the next batch as a new start.
-    fn kv_resync(&self, instance: &Bound<'_, PyAny>, rank: IntArg, reason: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn kv_resync(
+        &self,
+        instance: &Bound<'_, PyAny>,
+        rank: IntArg,
+        reason: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let py = instance.py();
         let inst = self.instance(instance)?;
         let rank = rank.get(py, "rank", 0, u32::MAX.into())?;

@@ -274,7 +274,22 @@ fn take<'a>(rd: &mut &'a [u8], len: usize) -> Res<&'a [u8]> {
 }
 
 /// Skip one value of any type.
+/// Skip one value, however deeply nested, without recursion: containers add their items to
+/// the count of values still to skip.
 fn skip(rd: &mut &[u8]) -> Res<()> {
+    let mut pending: u64 = 1;
+    while pending > 0 {
+        pending -= 1;
+        pending += skip_head(rd)?;
+        if pending > rd.len() as u64 {
+            return Err(format!("a container of {pending} values in {} bytes", rd.len()));
+        }
+    }
+    Ok(())
+}
+
+/// Skip one value's marker and scalar bytes; returns how many items it contains.
+fn skip_head(rd: &mut &[u8]) -> Res<u64> {
     let marker = mp::read_marker(rd).map_err(debug)?;
     let (bytes, items) = match marker {
         Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => (0, 0),
@@ -303,10 +318,7 @@ fn skip(rd: &mut &[u8]) -> Res<()> {
         Marker::Reserved => return Err("reserved marker 0xc1".into()),
     };
     take(rd, bytes)?;
-    for _ in 0..items {
-        skip(rd)?;
-    }
-    Ok(())
+    Ok(items)
 }
 
 #[cfg(test)]
