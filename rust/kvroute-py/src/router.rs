@@ -157,7 +157,7 @@ impl PyRouter {
     /// Estimated cached tokens on every instance (one index walk per view); changes nothing.
     /// `view`: `"routing"` (the view routing reads for each instance), `"estimate"` or
     /// `"events"` (that view for every instance).
-    #[pyo3(signature = (hash_ids, input_length, view = TextArg::of("routing")), text_signature = "(hash_ids, input_length, view='routing')")]
+    #[pyo3(signature = (hash_ids, input_length, view = TextArg::of("routing")), text_signature = "($self, hash_ids, input_length, view='routing')")]
     fn estimate_cache_hits(
         &self,
         hash_ids: &Bound<'_, PyAny>,
@@ -256,7 +256,7 @@ impl PyRouter {
     /// rank]`), `seq` its sequence number, `replayed` whether it came from the engine's replay
     /// socket. Returns `{"outcome": "applied" | "duplicate" | "gap", "expected", "reset",
     /// "degraded"}` (docs/kv-events.md). Needs `cache_view="events"`.
-    #[pyo3(signature = (instance, seq, batch, *, replayed = None), text_signature = "(instance, seq, batch, *, replayed=False)")]
+    #[pyo3(signature = (instance, seq, batch, *, replayed = None), text_signature = "($self, instance, seq, batch, *, replayed=False)")]
     fn apply_kv_events<'py>(
         &self,
         instance: &Bound<'py, PyAny>,
