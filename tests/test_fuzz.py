@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import kvroute
 from kvroute.errors import KvrouteError
+from kvroute.trace_ops import annotate_ttp
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "traces" / "mooncake_conversation_head1000.jsonl"
@@ -100,13 +101,17 @@ def _trace() -> pa.Table:
     return kvroute.read_trace(BUNDLED)
 
 
-SMALL = _trace().slice(0, 60)
+SMALL = annotate_ttp(_trace().slice(0, 60))
 
 
 def _scratch() -> Path:
     import tempfile
 
     return Path(tempfile.mkdtemp(prefix="kvroute-fuzz-"))
+
+
+def _run_dir() -> Path:
+    return kvroute.simulate(SMALL, mode="tracets", instances=2).write(_scratch() / "run")
 
 
 def _method(make: Callable[[], Any], name: str) -> Callable[..., Any]:
@@ -251,6 +256,33 @@ CASES: dict[str, Case] = {
             "force": True,
         },
         names={"table": ("trace",), "path": ("path", "w.parquet")},
+    ),
+    "sustainable_rate": Case(
+        kvroute.sustainable_rate,
+        lambda: {
+            "trace": SMALL,
+            "policies": "lmetric",
+            "slo_ttft_p90": 10.0,
+            "slo_tpot_p90": 0.05,
+            "start": 0.5,
+            "rel_tol": 0.5,
+            "max_rounds": 2,
+            "seed": 0,
+            "instances": 2,
+            "params": {"overload_factor": 1.5},
+        },
+        names={"trace": ("trace",), "policies": ("policy",), "params": ("parameter",)},
+        no_ints=("instances", "max_rounds"),
+    ),
+    "synthesize": Case(
+        kvroute.synthesize,
+        lambda: {"profile": "w600", "path": _scratch() / "s.parquet", "requests": 50, "seed": 1},
+        names={"path": ("path", "s.parquet")},
+        no_ints=("requests",),
+    ),
+    "make_report": Case(
+        kvroute.make_report,
+        lambda: {"runs": [_run_dir()], "figures": False, "title": "t"},
     ),
     "simulate": Case(
         kvroute.simulate,

@@ -191,6 +191,9 @@ def test_damaged_page_is_an_error_naming_the_file(tmp_path: Path) -> None:
         kvroute.read_trace(path)
     for args in (
         ["trace", "convert", str(path), "-o", str(tmp_path / "o.parquet")],
+        ["trace", "cap", str(path), "-o", str(tmp_path / "c.parquet")],
+        ["trace", "sample", str(path), "-o", str(tmp_path / "s.parquet")],
+        ["trace", "annotate-ttp", str(path), "-o", str(tmp_path / "a.parquet")],
         ["trace", "stats", str(path)],
         ["ceilings", str(path)],
         ["simulate", str(path)],

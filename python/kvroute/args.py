@@ -7,7 +7,9 @@ count as the matching Python type; bools are not ints. O(1) (O(n) for sequences)
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,6 +77,18 @@ def names(value: Any, name: str) -> list[str]:
     return [text(v, f"{name}[{i}]") for i, v in enumerate(value)]
 
 
+def path(value: Any, name: str) -> Path:
+    """A non-empty str or path-like naming a file, as a Path."""
+    if isinstance(value, bytes) or not isinstance(value, str | os.PathLike):
+        raise KvrouteTypeError(f"{name} must be a path (a str or a Path), got {_show(value)}")
+    text_ = os.fspath(value)
+    if not isinstance(text_, str) or text_ == "" or "\0" in text_:
+        raise InvalidArgumentError(
+            f"{name} must be a non-empty path without NUL, got {value!r:.40}"
+        )
+    return Path(text_)
+
+
 def sequence(value: Any, name: str) -> Sequence[Any]:
     """A list or tuple (not a str, bytes or mapping)."""
     if not isinstance(value, list | tuple | range):
@@ -101,6 +115,7 @@ __all__ = [
     "mapping",
     "names",
     "number",
+    "path",
     "sequence",
     "text",
 ]

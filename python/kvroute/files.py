@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvroute import args
 from kvroute.errors import CorruptFileError, InvalidArgumentError, OutputExistsError
 
 written: list[Path] = []
@@ -35,9 +36,7 @@ written: list[Path] = []
 
 def check_output(path: str | Path, *, force: bool = False) -> Path:
     """``path`` as a Path; :class:`OutputExistsError` if it exists and ``force`` is False."""
-    if str(path) == "":
-        raise InvalidArgumentError("output path is empty")
-    out = Path(path)
+    out = args.path(path, "path")
     if out.is_dir():
         raise InvalidArgumentError(f"{out} is a folder, not a file")
     if not force and out.exists():
@@ -63,11 +62,11 @@ def atomic_output(path: str | Path, *, force: bool = True) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, out)
+        written.append(out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(out.parent)
-    written.append(out)
 
 
 def write_text(path: str | Path, text: str, *, force: bool = True) -> Path:

@@ -100,9 +100,7 @@ def read_trace_with_report(
             "trace must be a path, a pyarrow Table or a polars DataFrame, "
             f"got {type(source).__name__}"
         )
-    if str(source) == "":
-        raise InvalidArgumentError("trace path is empty")
-    path = Path(source)
+    path = args.path(source, "trace")
     if not path.exists():
         raise InvalidArgumentError(f"trace not found: {path}")
     fmt = format or _detect(path)
@@ -128,8 +126,7 @@ def write_trace(
     """Write a trace (any :func:`read_trace` source) as zstd Parquet with page checksums,
     atomically (:mod:`kvroute.files`); returns the path. ``force=False`` refuses an existing
     file (:class:`~kvroute.errors.OutputExistsError`)."""
-    if not isinstance(path, str | Path):
-        raise KvrouteTypeError(f"path must be a str or a Path, got {type(path).__name__}")
+    args.path(path, "path")
     force = args.flag(force, "force")
     if block_size is not None:
         block_size = args.integer(block_size, "block_size", 1, 2**32)

@@ -19,6 +19,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from kvroute import args
+from kvroute.errors import KvrouteTypeError
 from kvroute.files import write_text
 from kvroute.report.analysis import Report, analyze
 from kvroute.report.runs import Run, load_runs, make_run
@@ -74,8 +76,13 @@ def report(
     """Analyse ``runs`` (paths as :func:`load_runs` takes them, or :class:`Run` objects);
     ``ceilings``: the trace they replayed, for APC against its ceilings and the KV CDF;
     ``out``: where to write the report (nothing written when None)."""
+    args.sequence(runs, "runs")
+    args.flag(figures, "figures")
+    args.text(title, "title")
+    if config is not None and not isinstance(config, SlowConfig):
+        raise KvrouteTypeError(f"config must be a SlowConfig or None, got {type(config).__name__}")
     loaded: list[Run] = [r for r in runs if isinstance(r, Run)]
-    paths = [Path(p) for p in runs if not isinstance(p, Run)]
+    paths = [args.path(p, "runs") for p in runs if not isinstance(p, Run)]
     if paths:
         loaded += load_runs(paths)
     table = None

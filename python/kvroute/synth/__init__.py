@@ -51,6 +51,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from kvroute import args
 from kvroute.errors import InvalidArgumentError
 from kvroute.files import atomic_output, check_output
 from kvroute.synth.plan import build_plan
@@ -84,16 +85,15 @@ def synthesize(
     ``requests`` scales the profile (sessions in proportion; default: the profile's own
     size). The same arguments always produce a byte-identical file, written atomically
     (:mod:`kvroute.files`; ``force=False`` refuses an existing one)."""
-    if profile not in PROFILES:
+    if args.text(profile, "profile") not in PROFILES:
         raise InvalidArgumentError(
             f"unknown synth profile {profile!r}; profiles: {', '.join(PROFILES)}"
         )
     p = PROFILES[profile]
-    n_req = p.requests if requests is None else int(requests)
-    if n_req < 1:
-        raise InvalidArgumentError(f"requests must be >= 1, got {requests}")
-    if not 0 <= seed < 2**63:
-        raise InvalidArgumentError(f"seed must be in [0, 2^63), got {seed}")
+    n_req = p.requests if requests is None else args.integer(requests, "requests", 1, 10**10)
+    seed = args.integer(seed, "seed", 0, 2**63 - 1)
+    args.flag(progress, "progress")
+    args.flag(force, "force")
     started = time.perf_counter()
     out = check_output(path, force=force)
     bar = progress_bar(p.name) if progress else None
