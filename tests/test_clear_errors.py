@@ -64,6 +64,14 @@ def test_a_huge_router_cannot_abort_the_process() -> None:
     assert events.kv_memory_bytes < 2**30
 
 
+def test_a_tiny_sample_interval_is_refused_not_a_hang() -> None:
+    from kvroute.trace_ops import annotate_ttp
+
+    trace = annotate_ttp(kvroute.read_trace(BUNDLED).slice(0, 40))
+    with pytest.raises(kvroute.InvalidArgumentError, match="sample_interval"):
+        kvroute.simulate(trace, instances=2, mode="tracets", sample_interval=1e-300)
+
+
 def test_router_max_instances() -> None:
     r = kvroute.Router(65536)
     with pytest.raises(kvroute.InvalidArgumentError, match="at most 65536"):

@@ -20,7 +20,9 @@ pub fn batch_of(batch: &Bound<'_, PyAny>, seq: u64) -> PyResult<EventBatch> {
         bytes.as_bytes().to_vec()
     } else if batch.is_instance_of::<pyo3::types::PyList>() || batch.is_instance_of::<pyo3::types::PyTuple>()
     {
-        let packed = py.import("msgpack")?.call_method1("packb", (batch,))?;
+        let packed = py.import("msgpack")?.call_method1("packb", (batch,)).map_err(|e| {
+            invalid(py, format!("batch {seq} is not a KV-event batch msgpack can encode: {}", e.value(py)))
+        })?;
         packed.cast_into::<PyBytes>()?.as_bytes().to_vec()
     } else {
         let name = batch.get_type().name()?;

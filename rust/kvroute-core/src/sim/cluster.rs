@@ -22,6 +22,10 @@ use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
 use super::params::EngineParams;
 use super::pipeline::{busy_steps, work, Jobs, Settling, StopOnDrop, HAND_OVER_MAX_RUNNING};
 use super::queue::{EventQueue, Kind, Next};
+
+/// The most instance samples (samples x instances) a run takes (`sample_interval`): a bound
+/// on its time and memory (about 0.5 GB of series).
+pub const MAX_SAMPLES: u64 = 10_000_000;
 use super::trace::{Sessions, SimTrace};
 use crate::error::{Error, Result};
 use crate::jobs::locked;
@@ -218,6 +222,13 @@ impl Loop<'_, '_> {
                     }
                     self.sample(t);
                     samples += 1;
+                    if samples * cfg.instances as u64 > MAX_SAMPLES {
+                        return Err(Error::InvalidArgument(format!(
+                            "sample_interval {:.3e} s takes more than {MAX_SAMPLES} instance samples in \
+                             this run; use a larger one (or 0: none)",
+                            cfg.sample_interval
+                        )));
+                    }
                     if !self.queue.is_empty() {
                         self.queue.push(samples as f64 * cfg.sample_interval, Kind::Sample);
                     }
