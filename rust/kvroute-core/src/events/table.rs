@@ -23,10 +23,11 @@ impl<V: IndexValue> Default for Table<V> {
     }
 }
 
-/// The most keys a table reserves room for before they arrive (4 Mi keys: 64 MiB of
-/// `u64 -> u64` buckets), so that a capacity given by a caller cannot allocate without
-/// bound; a table holding more grows as keys come.
-pub const RESERVE_LIMIT: usize = 1 << 22;
+/// The most keys a table reserves room for before they arrive (16 Mi keys: 293 MiB of
+/// `u64 -> u64` buckets, the blocks of 16 engines of a million each for the cluster table),
+/// so that a capacity given by a caller cannot allocate without bound; a table holding more
+/// grows as keys come.
+pub const RESERVE_LIMIT: usize = 1 << 24;
 
 impl<V: IndexValue> Table<V> {
     fn with_buckets(n: usize) -> Self {
