@@ -15,7 +15,7 @@ import kvroute
 from kvroute.kv_events import Source, Subscriber, event_sources
 from livekit import http, wait_until
 from realvllm import BLOCK_SIZE, MODEL_NAME, SMALL_KV_CACHE_BYTES, Engines
-from test_real_vllm import RealStack
+from test_real_vllm import RealStack, metric_total
 
 pytestmark = pytest.mark.vllm
 WORDS = ["cache", "block", "prefix", "engine", "router", "token", "session", "answer"]
@@ -157,3 +157,57 @@ def test_gaps_are_replayed_from_a_real_replay_socket(engines: Engines) -> None:
         wait_until(lambda: rank0(router).get("state") == "degraded", 30, "a degraded view")
         assert "no replay socket" in rank0(router)["reason"] and not uses_events(router, 0)
         clear(router, [url])  # whole again after a clear
+
+
+def test_two_proxy_replicas_hold_the_same_view(engines: Engines) -> None:
+    """Two proxies subscribed to the same two engines, requests through one of them only:
+    once both have applied the same batches (their ``kvroute_proxy_kv_last_seq`` per engine
+    agree), their events views agree block for block, including on keys the other proxy
+    routed; the passive replica never routed anything."""
+    with RealStack(engines, policy="round_robin") as a, RealStack(engines) as b:
+        clear(a.proxy.router, engines.urls, a.url)
+        clear(b.proxy.router, engines.urls)
+        chats = [[{"role": "system", "content": text(100 + i, 600)}] for i in range(4)]
+        probes = []
+        for turn in range(2):
+            for i, messages in enumerate(chats):
+                messages.append({"role": "user", "content": f"turn {turn} of chat {i}?"})
+                a.client.chat.completions.create(
+                    model=MODEL_NAME,
+                    messages=messages,
+                    max_tokens=2,  # type: ignore[arg-type]
+                )
+                ids = tokenize(a.url, {"messages": messages, "add_generation_prompt": True})
+                probes.append(kvroute.block_hashes(ids, BLOCK_SIZE))
+
+        def last_seqs(stack: RealStack) -> list[float]:
+            text_ = http("GET", stack.url + "/metrics")[2].decode()
+            return [
+                metric_total(text_, "kvroute_proxy_kv_last_seq", backend=u, rank="0")
+                for u in engines.urls
+            ]
+
+        def settled() -> bool:
+            pending = [a.proxy.router.kv_view(i)["pending"] for i in range(2)]  # type: ignore[index]
+            return last_seqs(a) == last_seqs(b) and min(last_seqs(a)) >= 0 and pending == [0, 0]
+
+        wait_until(settled, 30, "both replicas at the same sequence numbers")
+        ra, rb = a.proxy.router, b.proxy.router
+        for i in range(2):
+            va, vb = ra.kv_view(i), rb.kv_view(i)
+            assert va is not None and vb is not None
+            assert va["uses_events"] and vb["uses_events"]
+            assert va["blocks"] == vb["blocks"] > 0  # round robin: both engines hold blocks
+            assert va["ranks"][0]["last_seq"] == vb["ranks"][0]["last_seq"]
+        for keys in probes:
+            n = len(keys) * BLOCK_SIZE
+            assert ra.estimate_cache_hits(keys, n, view="events") == rb.estimate_cache_hits(
+                keys, n, view="events"
+            )
+        assert sum(s["num_requests"] for s in rb.state()) == 0
+        assert (
+            b.metric("kvroute_proxy_decisions_total")
+            == 0
+            < a.metric("kvroute_proxy_decisions_total")
+        )
+        print(f"\nreplicas agree at sequence numbers {last_seqs(a)}")
