@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvroute.sim as ks
-from kvroute.sim_fidelity import (
+from kvroute.sim.fidelity import (
     b2_markdown,
     b2_microbench,
     b3_markdown,

@@ -12,6 +12,10 @@ highest Poisson session rate that meets TTFT/TPOT p90 SLOs. ``capped`` is accept
 policy: ``lmetric`` on the trace capped at ``cap_turns`` turns per session (semantics §3).
 The engine model runs in Rust without the GIL; Ctrl-C stops a run cleanly
 (``KeyboardInterrupt``). Stateless; safe to call from several threads.
+
+The package: this module (the entry points), :mod:`kvroute.sim.run` (one run's spec and
+result, and the parallel executor) and :mod:`kvroute.sim.fidelity` (the simulator against
+the study's published tables).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import pyarrow as pa
 
 from kvroute import _core, args
 from kvroute.errors import InvalidArgumentError, UnknownPolicyError
-from kvroute.sim_run import RunSpec, SimResult, execute
+from kvroute.sim.run import RunSpec, SimResult, execute
 from kvroute.trace import read_trace
 from kvroute.trace_ops import cap_sessions
 

@@ -4,7 +4,7 @@
   engines (driven through :class:`kvroute.EngineModel`, the real-time API): a steady decode
   load on engine 0, large one-token prefill injections on the same engine or the other one.
 - :func:`b3_compare`: the study's B3 / exp (d) policy sweeps next to a simulated sweep.
-- ``python -m kvroute.sim_fidelity W600.parquet`` prints both as Markdown tables.
+- ``python -m kvroute.sim.fidelity W600.parquet`` prints both as Markdown tables.
 
 The study's numbers are transcribed from its research notes (B2 and B3: window-1
 results; both modes: exp (d)). Deterministic; O(requests) per cell.
@@ -276,7 +276,7 @@ def expd_markdown(results: list[Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m kvroute.sim_fidelity [W600.parquet]``: print the fidelity tables."""
+    """``python -m kvroute.sim.fidelity [W600.parquet]``: print the fidelity tables."""
     import kvroute.sim as ks
     from kvroute.trace import read_trace
 
