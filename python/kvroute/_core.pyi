@@ -9,6 +9,7 @@ import numpy.typing as npt
 
 __all__ = [
     "BUILD_PROFILE",
+    "MAX_INSTANCES",
     "ROOT_SEED",
     "EngineModel",
     "Relay",
@@ -31,6 +32,7 @@ __all__ = [
 __version__: Final[str]
 BUILD_PROFILE: Final[Literal["debug", "release"]]
 ROOT_SEED: Final[int]
+MAX_INSTANCES: Final[int]
 
 RequestId: TypeAlias = int | str
 HashIds: TypeAlias = Sequence[int] | npt.NDArray[np.uint64] | npt.NDArray[np.int64]

@@ -90,15 +90,12 @@ class Ceilings:
         }
 
 
-MAX_SIZE = 1 << 40
-
-
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer | float):
         raise KvrouteTypeError(f"{name} must be an int, got {type(value).__name__}")
     if isinstance(value, float) and not value.is_integer():
         raise InvalidArgumentError(f"{name} must be a whole number, got {value}")
-    if not 1 <= int(value) <= MAX_SIZE:
+    if not 1 <= int(value) <= args.MAX_SIZE:
         raise InvalidArgumentError(f"{name} must be in [1, 2**40], got {value}")
     return int(value)
 

@@ -34,8 +34,6 @@ from kvroute.sim.run import RunSpec, SimResult, execute
 from kvroute.trace import read_trace
 from kvroute.trace_ops import cap_sessions
 
-MAX_INSTANCES = 1 << 16
-
 DEFAULT_PRESET = "h20-qwen3-coder-30b-a3b"
 MODES = ("tracets", "thinktime", "poisson")
 #: The study's five arms (``capped`` = lmetric on the turn-capped trace).
@@ -113,7 +111,7 @@ def _setup(
     infer_sessions: bool,
     need_capped: bool,
 ) -> _Setup:
-    instances = args.integer(instances, "instances", 1, MAX_INSTANCES)
+    instances = args.integer(instances, "instances", 1, _core.MAX_INSTANCES)
     args.text(preset, "preset")
     engine = {
         k: args.number(v, f"engine[{k!r}]") for k, v in args.mapping(engine, "engine").items()

@@ -26,14 +26,6 @@ pub fn id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Id> {
     }
 }
 
-/// A str argument.
-pub fn text(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
-    match obj.cast::<PyString>() {
-        Ok(s) => Ok(s.to_str()?.to_owned()),
-        Err(_) => Err(wrong_type(obj.py(), format!("{name} must be a str, got {}", describe(obj)))),
-    }
-}
-
 /// A str argument with a default, checked (and named) by [`TextArg::get`] like [`IntArg`].
 pub struct TextArg(Result<std::borrow::Cow<'static, str>, String>);
 

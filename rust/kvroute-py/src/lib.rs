@@ -39,5 +39,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     m.add("ROOT_SEED", kvroute_core::keys::ROOT_SEED)?;
+    m.add("MAX_INSTANCES", kvroute_core::router::MAX_INSTANCES)?;
     Ok(())
 }

@@ -276,17 +276,12 @@ impl PyRouter {
 
     /// An instance's rank missed batches that cannot be replayed: its view turns degraded
     /// (routed on the estimate) and takes the next batch as a new start.
-    fn kv_resync(
-        &self,
-        instance: &Bound<'_, PyAny>,
-        rank: IntArg,
-        reason: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn kv_resync(&self, instance: &Bound<'_, PyAny>, rank: IntArg, reason: TextArg) -> PyResult<()> {
         let py = instance.py();
         let inst = self.instance(instance)?;
         let rank = rank.get(py, "rank", 0, u32::MAX.into())?;
-        let reason = convert::text(reason, "reason")?;
-        self.lock().kv_resync(inst as i64, rank, &reason).map_err(|e| to_py(py, e))
+        let reason = reason.get(py, "reason")?;
+        self.lock().kv_resync(inst as i64, rank, reason).map_err(|e| to_py(py, e))
     }
 
     /// An instance's engine restarted: drop its events view until its sequence 0 arrives.

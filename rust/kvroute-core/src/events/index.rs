@@ -43,6 +43,15 @@ impl Holders {
         }
     }
 
+    /// One or two holders packed; `None` for none, more, or one that does not fit inline.
+    fn inline(holders: &[(u32, u32)]) -> Option<u64> {
+        match *holders {
+            [a] => Holders::One(a).pack(),
+            [a, b] => Holders::Two(a, b).pack(),
+            _ => None,
+        }
+    }
+
     /// The packed value; `None` when a holder does not fit inline.
     fn pack(self) -> Option<u64> {
         let bits = |(i, c): (u32, u32)| {
@@ -114,12 +123,7 @@ impl ClusterIndex {
 
     /// `holders` (one or two) packed, or in a holder list when one does not fit inline.
     fn store(&mut self, holders: &[(u32, u32)]) -> u64 {
-        let inline = match *holders {
-            [a] => Holders::One(a).pack(),
-            [a, b] => Holders::Two(a, b).pack(),
-            _ => None,
-        };
-        inline.unwrap_or_else(|| self.spill(holders.to_vec()))
+        Holders::inline(holders).unwrap_or_else(|| self.spill(holders.to_vec()))
     }
 
     /// The holders of a key's value (a copy when inline; the list itself otherwise).
@@ -192,13 +196,7 @@ impl ClusterIndex {
                 return;
             }
             // Two holders or fewer: back inline if they fit.
-            let candidate = match list[..] {
-                [] => None,
-                [a] => Holders::One(a).pack(),
-                [a, b] => Holders::Two(a, b).pack(),
-                _ => unreachable!(),
-            };
-            match candidate {
+            match Holders::inline(list) {
                 Some(p) => {
                     list.clear();
                     self.free.push(at);
