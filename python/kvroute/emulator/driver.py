@@ -66,6 +66,12 @@ class Driver:
         """Engine time now."""
         return (self._loop.time() - self._start) * self.speedup
 
+    async def hold_until(self, t: float) -> None:
+        """Return at engine time ``t`` (at once when it has passed)."""
+        wait = (t - self.now()) / self.speedup
+        if wait > 0:
+            await asyncio.sleep(wait)
+
     @property
     def active(self) -> int:
         """Requests submitted and not finished or cancelled."""

@@ -41,7 +41,9 @@ class _EngineCollector(Collector):
             "Information of the LLMEngine CacheConfig.",
             labels=["block_size", "num_gpu_blocks"],
         )
-        info.add_metric([str(self._block_size), str(int(s.get("num_gpu_blocks", 0)))], 1.0)
+        # Blocks are counted in the engine's KV blocks (the model's kv_block_size).
+        size = int(s.get("kv_block_size", self._block_size))
+        info.add_metric([str(size), str(int(s.get("num_gpu_blocks", 0)))], 1.0)
         yield info
         for name, key, doc in (
             ("vllm:num_requests_running", "running", "Requests in model execution batches."),

@@ -32,7 +32,7 @@ from aiohttp import web
 
 import kvroute
 from kvroute.emulator.driver import Channel, Driver
-from kvroute.emulator.engine import Engine, SimpleEngine, preset
+from kvroute.emulator.engine import Engine, EngineEvent, SimpleEngine, preset
 from kvroute.emulator.faults import FaultConfig
 from kvroute.emulator.prom import EmulatorMetrics
 from kvroute.emulator.responses import DONE, Reply, token_text, usage
@@ -108,6 +108,7 @@ class Emulator:
         self.config = config
         self.faults = config.faults
         self.engine, self.block_size, self.max_model_len = make_engine(config)
+        self.request_overhead_s = float(getattr(self.engine, "request_overhead_s", 0.0))
         self.tokenizer = BuiltinTokenizer()
         self.metrics = EmulatorMetrics(config.model, self.engine.stats, self.block_size)
         self._ids = itertools.count()
@@ -216,7 +217,7 @@ class Emulator:
                 )
             sent, cached = 0, 0
             while True:
-                events = await channel.get()
+                events = await self._next(channel)
                 for ev in events:
                     sent += ev.tokens
                     if ev.kind == "first_token":
@@ -231,6 +232,13 @@ class Emulator:
             return web.json_response(reply.whole(token_text(0, sent), reason, u))
         finally:
             self.driver.cancel(rid)
+
+    async def _next(self, channel: Channel) -> list[EngineEvent]:
+        """The request's next events, held back by the engine's ``request_overhead_s``."""
+        events = await channel.get()
+        if self.request_overhead_s:
+            await self.driver.hold_until(events[-1].time + self.request_overhead_s)
+        return events
 
     @staticmethod
     def _die(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
@@ -259,7 +267,7 @@ class Emulator:
         await resp.prepare(request)
         sent, cached, finished = 0, 0, False
         while not finished:
-            events = await channel.get()
+            events = await self._next(channel)
             n = 0
             for ev in events:
                 n += ev.tokens

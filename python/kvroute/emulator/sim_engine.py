@@ -40,6 +40,10 @@ class SimEngine:
         params = {k: float(v) for k, v in {**base, **overrides}.items()}
         self.model = kvroute.EngineModel(name, **params)
         self.block_size = int(self.model.params["block_size"])
+        self.kv_block_size = float(self.model.params["kv_block_size"])
+        #: What the client sees comes this long after the model makes it (the profile's
+        #: ``request_overhead_s``; the server holds each event back until then).
+        self.request_overhead_s = float(self.model.params["request_overhead_s"])
         self._generated: dict[RequestId, int] = {}
 
     def submit(
@@ -89,4 +93,5 @@ class SimEngine:
             "prefix_hits_tokens": float(s["prefix_cache_hits"]),
             "cached_blocks": float(s["kv_cached_blocks"]),
             "num_gpu_blocks": float(s["kv_total_blocks"]),
+            "kv_block_size": self.kv_block_size,
         }

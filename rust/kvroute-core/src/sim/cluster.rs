@@ -288,6 +288,8 @@ impl Loop<'_, '_> {
             self.queue.peek_time().is_some_and(|next| next < earliest)
         };
         engine.advance(&mut events);
+        // What the client sees comes the request's overhead after the engine made it.
+        let late = engine.params().request_overhead_s;
         // Either the settle job's ticket, or the next segment end once settled here.
         let settled = match &mut self.settling {
             Some(s) if hand_over => {
@@ -303,11 +305,11 @@ impl Loop<'_, '_> {
         for ev in &events {
             match *ev {
                 EngineEvent::FirstToken { tag, time, .. } => {
-                    self.rec.first_token[tag as usize] = time;
+                    self.rec.first_token[tag as usize] = time + late;
                     self.router.first_token(&Id::Int(tag as i64));
                 }
                 EngineEvent::Finish { tag, time, info } => {
-                    let i = tag as usize;
+                    let (i, time) = (tag as usize, time + late);
                     self.rec.finish[i] = time;
                     self.rec.output_length[i] = info.generated as i64;
                     self.rec.cached_tokens[i] = info.cached_tokens as i64;

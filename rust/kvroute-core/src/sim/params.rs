@@ -11,6 +11,10 @@
 //!   + decode_s_per_ctx_token  * Σ context tokens read by the decodes
 //! ```
 //!
+//! A request also spends `request_overhead_s` outside the steps (the API server's input and
+//! output processing): the client sees its tokens and its end that much later than the engine
+//! makes them.
+//!
 //! The KV pool holds `kv_capacity_tokens` tokens (rounded down to `kv_block_size` blocks);
 //! unless set, it is derived: `hbm_bytes * gpu_memory_utilization - weight_bytes -
 //! reserved_bytes`, over `kv_bytes_per_token`. Plain data; O(1) everywhere; thread-safe.
@@ -50,6 +54,8 @@ pub struct EngineParams {
     pub decode_s_per_seq: f64,
     /// Cost per context token a decode reads (KV bandwidth) (s).
     pub decode_s_per_ctx_token: f64,
+    /// Latency a request spends outside the engine's steps (API server, HTTP) (s).
+    pub request_overhead_s: f64,
 }
 
 /// Names of the presets, in the order `kvroute.sim.presets()` lists them.
@@ -113,11 +119,12 @@ impl EngineParams {
             prefill_s_per_pair: per_pair * compute,
             decode_s_per_seq: H20_DECODE_PER_SEQ_S * bw,
             decode_s_per_ctx_token: QWEN3_CODER_KV_BYTES / (tbps * 1e12 * KV_READ_EFFICIENCY),
+            request_overhead_s: 0.0,
         })
     }
 
     /// Names of the settable parameters, as [`set`](Self::set) takes them.
-    pub const NAMES: [&'static str; 15] = [
+    pub const NAMES: [&'static str; 16] = [
         "block_size",
         "kv_block_size",
         "max_num_batched_tokens",
@@ -133,6 +140,7 @@ impl EngineParams {
         "prefill_s_per_pair",
         "decode_s_per_seq",
         "decode_s_per_ctx_token",
+        "request_overhead_s",
     ];
 
     /// Set one parameter by name; integers must be whole and non-negative.
@@ -164,6 +172,7 @@ impl EngineParams {
             "prefill_s_per_pair" => self.prefill_s_per_pair = value,
             "decode_s_per_seq" => self.decode_s_per_seq = value,
             "decode_s_per_ctx_token" => self.decode_s_per_ctx_token = value,
+            "request_overhead_s" => self.request_overhead_s = value,
             _ => {
                 return Err(Error::InvalidArgument(format!(
                     "unknown engine parameter {name:?}; known: {}",
@@ -192,6 +201,7 @@ impl EngineParams {
             ("prefill_s_per_pair", self.prefill_s_per_pair),
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+            ("request_overhead_s", self.request_overhead_s),
         ]
     }
 
@@ -243,6 +253,7 @@ impl EngineParams {
             ("prefill_s_per_pair", self.prefill_s_per_pair),
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+            ("request_overhead_s", self.request_overhead_s),
         ] {
             // A step then lasts at least step_overhead_s, which the simulator relies on.
             if !(v >= 0.0 && v.is_finite()) {

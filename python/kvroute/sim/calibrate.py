@@ -1,0 +1,431 @@
+"""``kvroute calibrate``: measure running OpenAI-compatible engines (real vLLM, or ``kvroute
+engine``) on a documented grid and fit the simulator's engine model to them
+(:mod:`kvroute.sim.profile`; ``docs/simulator.md`` "Calibration").
+
+Every prompt is made of random token ids drawn for that request alone, so nothing a point
+sends was cached before it unless the point caches it on purpose (its ``cached_tokens``
+prefix, sent once first); engines that serve ``POST /reset_prefix_cache`` are also reset
+before each point. Requests go to ``/v1/completions`` with ``ignore_eos``, streamed, timed on
+the monotonic clock when each chunk arrives. What a point measures:
+
+* ``prefill``: the first-token time of one request, the median of ``repeats`` tries;
+* ``decode``: ``batch`` requests sent together; once all have their first token, the time per
+  token of each (its chunks' span over their count) up to the first finish; the median;
+* ``mixed``: ``batch`` decoding requests; when each has streamed ``MIXED_WARMUP`` tokens, one
+  prefill is sent; the longest gap of each decoder while it is prefilled; the median.
+
+The grid's points are spread over the engines (each engine runs one point at a time; the
+fit assumes the engines are alike). O(grid tokens) of prompts; one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from kvroute.errors import KvrouteError
+from kvroute.proxy.caches import kv_capacity
+from kvroute.sim.profile import Point, make_profile
+
+#: Tokens each decoder streams before a mixed point's prefill is sent.
+MIXED_WARMUP = 8
+#: Requests of a grid point fail when an answer takes longer than this.
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300.0, sock_connect=5.0)
+FIRST_ID = 256
+
+
+class CalibrationError(KvrouteError, RuntimeError):
+    """An engine cannot be calibrated: it does not answer, or lacks what the fit needs."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The points measured (``docs/simulator.md`` lists the named grids)."""
+
+    #: Prompt lengths of cold prefills.
+    prefill: tuple[int, ...]
+    #: (cached tokens, new tokens) of warm prefills.
+    cached: tuple[tuple[int, int], ...]
+    #: Batch sizes x contexts of the decode points.
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    #: (batch, context, prefill tokens) of the mixed points.
+    mixed: tuple[tuple[int, int, int], ...]
+    decode_tokens: int = 32
+    repeats: int = 3
+
+    def points(self) -> list[Point]:
+        """The grid's points, unmeasured (seconds 0)."""
+        out = [Point("prefill", 0.0, prefill_tokens=n) for n in self.prefill]
+        out += [Point("prefill", 0.0, prefill_tokens=n, cached_tokens=c) for c, n in self.cached]
+        out += [
+            Point("decode", 0.0, batch=b, context=float(c))
+            for b in self.batches
+            for c in self.contexts
+        ]
+        out += [
+            Point("mixed", 0.0, prefill_tokens=n, batch=b, context=float(c))
+            for b, c, n in self.mixed
+        ]
+        return out
+
+
+GRIDS: dict[str, Grid] = {
+    "standard": Grid(
+        prefill=(64, 256, 512, 1024, 1536, 2048, 3072, 4096),
+        cached=((1024, 512), (2048, 512), (2048, 1024), (3072, 1024)),
+        batches=(1, 4, 16, 32),
+        contexts=(64, 1024, 2048),
+        mixed=((4, 512, 512), (4, 1024, 1536), (16, 512, 1024), (16, 1024, 512)),
+    ),
+    "short": Grid(
+        prefill=(128, 512, 1024, 2048, 3072),
+        cached=((1024, 512), (2048, 1024)),
+        batches=(1, 8, 24),
+        contexts=(128, 1536),
+        mixed=((8, 512, 1024),),
+        decode_tokens=24,
+        repeats=2,
+    ),
+    # Sizes none of the others measures, to check a profile on points it was not fitted to.
+    "held-out": Grid(
+        prefill=(384, 1280, 2560),
+        cached=((1536, 768),),
+        batches=(2, 12),
+        contexts=(512, 1792),
+        mixed=((6, 768, 768),),
+        decode_tokens=24,
+        repeats=2,
+    ),
+}
+
+
+@dataclass
+class EngineInfo:
+    """What an engine says about itself before the grid runs."""
+
+    url: str
+    model: str
+    max_model_len: int | None
+    kv_block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    resets: bool = False
+
+
+@dataclass
+class _Stream:
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    cached: int = 0
+
+
+class _Client:
+    """Requests of one calibration run to one engine."""
+
+    def __init__(self, http: aiohttp.ClientSession, info: EngineInfo, vocab: int, seed: int):
+        self.http, self.info = http, info
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+
+    def prompt(self, n: int) -> list[int]:
+        """``n`` token ids no other request gets (with overwhelming probability)."""
+        return [int(t) for t in self.rng.integers(FIRST_ID, self.vocab, n)]
+
+    async def stream(
+        self, prompt: list[int], max_tokens: int, out: _Stream | None = None
+    ) -> _Stream:
+        body = {
+            "model": self.info.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        s = out or _Stream(time.perf_counter())
+        url = self.info.url + "/v1/completions"
+        try:
+            async with self.http.post(url, json=body) as resp:
+                if resp.status != 200:
+                    text = (await resp.text()).strip()[:300]
+                    raise CalibrationError(f"{url} answered {resp.status}: {text}")
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        break
+                    obj = _json(payload, url)
+                    if obj.get("choices"):
+                        s.chunks.append(time.perf_counter())
+                    usage = obj.get("usage")
+                    if usage:
+                        details = usage.get("prompt_tokens_details")
+                        if not isinstance(details, dict) or details.get("cached_tokens") is None:
+                            raise CalibrationError(
+                                f"{url}: the usage has no prompt_tokens_details.cached_tokens, "
+                                "which the fit needs (start vLLM with "
+                                "--enable-prompt-tokens-details)"
+                            )
+                        s.cached = int(details["cached_tokens"])
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise CalibrationError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        if not s.chunks:
+            raise CalibrationError(f"{url}: the stream ended without a token")
+        return s
+
+    async def reset(self) -> None:
+        if self.info.resets:
+            async with self.http.post(self.info.url + "/reset_prefix_cache") as resp:
+                await resp.read()
+
+    async def prefill(self, new: int, cached: int) -> tuple[float, int]:
+        """First-token seconds of ``cached + new`` tokens, ``cached`` sent before; the
+        cached tokens the engine reports."""
+        prompt = self.prompt(cached + new)
+        if cached:
+            await self.stream(prompt[:cached], 1)
+        s = await self.stream(prompt, 1)
+        return s.chunks[0] - s.sent, s.cached
+
+    async def decode(self, batch: int, context: int, tokens: int) -> float:
+        streams = await asyncio.gather(
+            *(self.stream(self.prompt(context), tokens) for _ in range(batch))
+        )
+        start = max(s.chunks[0] for s in streams)
+        end = min(s.chunks[-1] for s in streams)
+        per_token = []
+        for s in streams:
+            window = [t for t in s.chunks if start <= t <= end]
+            if len(window) >= 3:
+                per_token.append((window[-1] - window[0]) / (len(window) - 1))
+        if not per_token:
+            raise CalibrationError(
+                f"{self.info.url}: decode point batch {batch}: the requests did not decode "
+                "together (too few tokens in common)"
+            )
+        return statistics.median(per_token)
+
+    async def mixed(self, batch: int, context: int, prefill: int, tokens: int) -> float:
+        now = time.perf_counter()
+        decoders = [_Stream(now) for _ in range(batch)]
+        tasks = [
+            asyncio.ensure_future(self.stream(self.prompt(context), tokens, s)) for s in decoders
+        ]
+        try:
+            while any(len(s.chunks) < MIXED_WARMUP for s in decoders):
+                if any(t.done() for t in tasks):
+                    break
+                await asyncio.sleep(0.0005)
+            p = await self.stream(self.prompt(prefill), 1)
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        gaps = []
+        for s in decoders:
+            during = [
+                b - a
+                for a, b in zip(s.chunks, s.chunks[1:], strict=False)
+                if b > p.sent and a < p.chunks[0]
+            ]
+            if during:
+                gaps.append(max(during))
+        if not gaps:
+            raise CalibrationError(
+                f"{self.info.url}: mixed point batch {batch}: the decoders ended before the "
+                "prefill ran; raise the grid's decode_tokens"
+            )
+        return statistics.median(gaps)
+
+
+def _json(payload: bytes, url: str) -> dict[str, Any]:
+    import json
+
+    try:
+        obj = json.loads(payload)
+    except ValueError as exc:
+        raise CalibrationError(f"{url}: a stream chunk is not JSON: {payload[:100]!r}") from exc
+    if not isinstance(obj, dict):
+        raise CalibrationError(f"{url}: a stream chunk is not an object: {payload[:100]!r}")
+    if obj.get("error"):
+        raise CalibrationError(f"{url}: stream error: {obj['error']}")
+    return obj
+
+
+async def probe(http: aiohttp.ClientSession, url: str, model: str | None) -> EngineInfo:
+    """The engine's model, context limit, KV blocks and whether it resets its cache."""
+    try:
+        async with http.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                raise CalibrationError(f"{url}/v1/models answered {r.status}")
+            cards = (await r.json()).get("data") or []
+        async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            metrics = await r.text() if r.status == 200 else ""
+        async with http.post(url + "/reset_prefix_cache") as r:
+            resets = r.status < 300
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        raise CalibrationError(f"{url} does not answer: {type(exc).__name__}: {exc}") from exc
+    card = next((c for c in cards if model is None or c.get("id") == model), None)
+    if card is None:
+        served = ", ".join(str(c.get("id")) for c in cards) or "none"
+        raise CalibrationError(f"{url} does not serve model {model!r} (it serves {served})")
+    info = EngineInfo(url, str(card["id"]), card.get("max_model_len"), resets=resets)
+    found = kv_capacity(metrics)
+    if found is not None:
+        info.num_gpu_blocks, info.kv_block_size = found
+    return info
+
+
+def feasible(point: Point, info: EngineInfo, grid: Grid, max_num_seqs: int) -> str | None:
+    """Why ``point`` cannot run on the engine (context, KV pool, batch), or None."""
+    out = grid.decode_tokens + MIXED_WARMUP
+    longest = max(point.prefill_tokens + point.cached_tokens, int(point.context)) + out
+    if info.max_model_len and longest > info.max_model_len:
+        return f"{longest} tokens exceed max_model_len {info.max_model_len}"
+    held = point.batch * (point.context + out) + point.prefill_tokens + point.cached_tokens
+    if info.num_gpu_blocks and info.kv_block_size:
+        capacity = info.num_gpu_blocks * info.kv_block_size
+        if held > 0.8 * capacity:
+            return f"{held:.0f} tokens held exceed 80% of the KV pool ({capacity} tokens)"
+    if point.batch + 1 > max_num_seqs:
+        return f"batch {point.batch} exceeds max_num_seqs {max_num_seqs}"
+    return None
+
+
+async def _measure_one(c: _Client, point: Point, grid: Grid) -> Point:
+    await c.reset()
+    if point.kind == "prefill":
+        warm = [
+            await c.prefill(point.prefill_tokens, point.cached_tokens) for _ in range(grid.repeats)
+        ]
+        seconds = statistics.median(t for t, _ in warm)
+        cached = int(statistics.median(k for _, k in warm))
+        new = point.prefill_tokens + point.cached_tokens - cached
+        return replace(
+            point, seconds=seconds, prefill_tokens=new, cached_tokens=cached, samples=len(warm)
+        )
+    tries: list[float]
+    if point.kind == "decode":
+        tries = [
+            await c.decode(point.batch, int(point.context), grid.decode_tokens)
+            for _ in range(grid.repeats)
+        ]
+    else:
+        tokens = grid.decode_tokens + MIXED_WARMUP
+        tries = [
+            await c.mixed(point.batch, int(point.context), point.prefill_tokens, tokens)
+            for _ in range(grid.repeats)
+        ]
+    # The decoders read their prompt and, on average, half of what they generate.
+    context = point.context + grid.decode_tokens / 2
+    return replace(point, seconds=statistics.median(tries), context=context, samples=len(tries))
+
+
+async def measure(
+    urls: Sequence[str],
+    grid: Grid,
+    *,
+    model: str | None = None,
+    max_num_seqs: int = 128,
+    vocab_size: int = 32000,
+    seed: int = 0,
+    on_point: Callable[[Point], None] | None = None,
+) -> tuple[list[Point], list[EngineInfo], list[str]]:
+    """Measure ``grid`` on the engines: the points, what each engine said, and the points
+    skipped with why."""
+    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as http:
+        infos = [await probe(http, u.rstrip("/"), model) for u in urls]
+        clients = [_Client(http, info, vocab_size, seed + i) for i, info in enumerate(infos)]
+        # One warm-up request of each prefill size (first shapes cost extra on some backends)
+        # that also checks the usage reports cached tokens.
+        for c in clients:
+            for n in sorted({*grid.prefill, 16}):
+                if (
+                    feasible(Point("prefill", 0.0, prefill_tokens=n), c.info, grid, max_num_seqs)
+                    is None
+                ):
+                    await c.stream(c.prompt(n), 2)
+        todo, skipped = [], []
+        for p in grid.points():
+            why = next(
+                filter(None, (feasible(p, c.info, grid, max_num_seqs) for c in clients)), None
+            )
+            if why:
+                skipped.append(f"{p.kind} {p}: {why}")
+            else:
+                todo.append(p)
+        queue: asyncio.Queue[tuple[int, Point]] = asyncio.Queue()
+        for i, p in enumerate(todo):
+            queue.put_nowait((i, p))
+        done: dict[int, Point] = {}
+
+        async def work(c: _Client) -> None:
+            while not queue.empty():
+                i, p = queue.get_nowait()
+                done[i] = await _measure_one(c, p, grid)
+                if on_point is not None:
+                    on_point(done[i])
+
+        await asyncio.gather(*(work(c) for c in clients))
+    return [done[i] for i in sorted(done)], infos, skipped
+
+
+def calibrate(
+    urls: Sequence[str],
+    *,
+    grid: str | Grid = "standard",
+    held_out: str | Grid | None = None,
+    model: str | None = None,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+    vocab_size: int = 32000,
+    seed: int = 0,
+    on_point: Callable[[Point], None] | None = None,
+) -> dict[str, Any]:
+    """Measure ``grid`` (and ``held_out``, not fitted) on the engines and return the profile
+    document (:func:`kvroute.sim.profile.make_profile`). ``max_num_batched_tokens`` and
+    ``max_num_seqs`` are the engines' scheduler settings (vLLM's CPU defaults here)."""
+    if not urls:
+        raise CalibrationError("calibrate needs at least one engine URL")
+    fit_grid = GRIDS[grid] if isinstance(grid, str) else grid
+    opts: dict[str, Any] = {
+        "model": model,
+        "max_num_seqs": max_num_seqs,
+        "vocab_size": vocab_size,
+        "on_point": on_point,
+    }
+    points, infos, skipped = asyncio.run(measure(urls, fit_grid, seed=seed, **opts))
+    held: list[Point] = []
+    if held_out is not None:
+        other = GRIDS[held_out] if isinstance(held_out, str) else held_out
+        held, _, more = asyncio.run(measure(urls, other, seed=seed + 1000, **opts))
+        skipped += more
+    scheduler: dict[str, int] = {
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
+    }
+    first = infos[0]
+    if first.kv_block_size and first.num_gpu_blocks:
+        scheduler["kv_block_size"] = first.kv_block_size
+        scheduler["kv_capacity_tokens"] = first.kv_block_size * first.num_gpu_blocks
+    engine = {
+        "urls": [i.url for i in infos],
+        "model": first.model,
+        "max_model_len": first.max_model_len,
+        "num_gpu_blocks": first.num_gpu_blocks,
+        "grid": grid if isinstance(grid, str) else "custom",
+        "skipped": skipped,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return make_profile(points, engine=engine, scheduler=scheduler, held_out=held)
+
+
+__all__ = ["GRIDS", "CalibrationError", "EngineInfo", "Grid", "calibrate", "measure", "probe"]

@@ -1,0 +1,257 @@
+"""Engine profiles: the engine model's cost parameters fitted to measured grid points, and
+the JSON file that carries them (``kvroute calibrate`` writes it; ``kvroute simulate
+--engine-profile`` and ``kvroute engine --engine-profile`` load it).
+
+A measured point is one of three kinds (``docs/simulator.md`` "Calibration"):
+
+* ``prefill``: the time to first token of a lone request on an idle engine, ``prefill_tokens``
+  new tokens after ``cached_tokens`` cached ones, in chunks of ``max_num_batched_tokens``;
+* ``decode``: the gap between two tokens of ``batch`` sequences decoding together, each
+  reading ``context`` tokens;
+* ``mixed``: that gap for the step that also prefills a request of ``prefill_tokens`` (the
+  interference of a prefill on running decodes).
+
+Each is a linear function of the six cost terms (:data:`COST_TERMS`), so the fit is a
+non-negative least squares on relative errors, solved exactly by trying every subset of the
+terms (2^6 small solves). O(points) per prediction; the fit O(64 · points); plain data,
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvroute import _core
+from kvroute.errors import InvalidArgumentError
+
+FORMAT = "kvroute-engine-profile"
+VERSION = 1
+#: The step-cost terms the fit finds, in feature order (``docs/simulator.md`` "Cost model").
+COST_TERMS = (
+    "step_overhead_s",
+    "prefill_s_per_token",
+    "prefill_s_per_pair",
+    "decode_s_per_seq",
+    "decode_s_per_ctx_token",
+    "request_overhead_s",
+)
+KINDS = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point and what was measured there (seconds; see the module doc)."""
+
+    kind: str
+    seconds: float
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    batch: int = 0
+    context: float = 0.0
+    samples: int = 1
+
+
+def _chunks(new: int, cached: int, budget: int) -> Iterable[tuple[int, int]]:
+    """``(start, length)`` of each prefill chunk."""
+    start, end = cached, cached + new
+    while start < end:
+        length = min(budget, end - start)
+        yield start, length
+        start += length
+
+
+def features(point: Point, budget: int) -> np.ndarray:
+    """The point's coefficients of :data:`COST_TERMS`."""
+    if point.kind not in KINDS:
+        raise InvalidArgumentError(
+            f"point kind must be one of {', '.join(KINDS)}, got {point.kind!r}"
+        )
+    x = np.zeros(len(COST_TERMS))
+    if point.kind in ("prefill", "mixed"):
+        for start, length in _chunks(point.prefill_tokens, point.cached_tokens, budget):
+            x[0] += 1
+            x[1] += length
+            x[2] += length * (start + length / 2)
+    if point.kind == "prefill":
+        x[5] = 1.0
+    else:
+        x[0] = 1.0  # one step, whatever it holds
+        x[3] = point.batch
+        x[4] = point.batch * point.context
+    return x
+
+
+def predict(params: Mapping[str, float], point: Point, budget: int) -> float:
+    """Seconds the cost model gives for ``point``."""
+    return float(features(point, budget) @ np.array([params[t] for t in COST_TERMS]))
+
+
+def _nnls_relative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin over θ >= 0 of Σ ((a·θ - y) / y)², by every subset of the terms."""
+    w = a / y[:, None]
+    ones = np.ones(len(y))
+    best, best_cost = np.zeros(a.shape[1]), float(ones @ ones)
+    for size in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), size):
+            sub = w[:, cols]
+            theta, *_ = np.linalg.lstsq(sub, ones, rcond=None)
+            if np.any(theta < 0):
+                continue
+            r = sub @ theta - ones
+            cost = float(r @ r)
+            if cost < best_cost - 1e-15:
+                best_cost, best = cost, np.zeros(a.shape[1])
+                best[list(cols)] = theta
+    return best
+
+
+def fit(points: Sequence[Point], budget: int) -> dict[str, float]:
+    """The cost terms that best predict ``points`` (relative least squares, terms >= 0)."""
+    if len(points) < len(COST_TERMS):
+        raise InvalidArgumentError(
+            f"a fit of {len(COST_TERMS)} terms needs at least as many points, got {len(points)}"
+        )
+    a = np.array([features(p, budget) for p in points])
+    y = np.array([p.seconds for p in points])
+    if not np.all(np.isfinite(y)) or np.any(y <= 0):
+        raise InvalidArgumentError("every measured point must take a positive, finite time")
+    # Scale the columns to comparable sizes so that lstsq is well conditioned.
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    theta = _nnls_relative(a / scale, y) / scale
+    return {t: float(v) for t, v in zip(COST_TERMS, theta, strict=True)}
+
+
+def residuals(
+    params: Mapping[str, float], points: Sequence[Point], budget: int
+) -> list[dict[str, Any]]:
+    """Each point with its prediction and relative error (predicted / measured - 1)."""
+    out = []
+    for p in points:
+        predicted = predict(params, p, budget)
+        out.append(
+            {
+                **asdict(p),
+                "predicted_seconds": predicted,
+                "relative_error": predicted / p.seconds - 1.0,
+            }
+        )
+    return out
+
+
+def error_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """p50, p90 and max of the absolute relative errors, overall and per kind."""
+
+    def summary(errors: list[float]) -> dict[str, float]:
+        e = np.abs(np.array(errors))
+        return {
+            "points": len(e),
+            "p50": float(np.quantile(e, 0.5)),
+            "p90": float(np.quantile(e, 0.9)),
+            "max": float(e.max()),
+        }
+
+    out: dict[str, Any] = {"all": summary([r["relative_error"] for r in rows])}
+    for kind in KINDS:
+        errors = [r["relative_error"] for r in rows if r["kind"] == kind]
+        if errors:
+            out[kind] = summary(errors)
+    return out
+
+
+def make_profile(
+    points: Sequence[Point],
+    *,
+    engine: Mapping[str, Any],
+    scheduler: Mapping[str, int],
+    held_out: Sequence[Point] = (),
+) -> dict[str, Any]:
+    """The profile document: the fitted terms, the engine's settings, and the residuals of
+    the fit points and of ``held_out`` points (measured, not fitted)."""
+    budget = int(scheduler["max_num_batched_tokens"])
+    terms = fit(points, budget)
+    terms["step_overhead_s"] = max(terms["step_overhead_s"], 1e-6)  # a step takes time
+    rows = residuals(terms, points, budget)
+    params: dict[str, float] = {**terms, **{k: float(v) for k, v in scheduler.items()}}
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "engine": dict(engine),
+        "params": params,
+        "fit": {"error": error_summary(rows), "points": rows},
+    }
+    if held_out:
+        held = residuals(terms, held_out, budget)
+        doc["held_out"] = {"error": error_summary(held), "points": held}
+    return doc
+
+
+def load_profile(path: str | Path) -> dict[str, float]:
+    """The engine parameters of a profile file, ready as ``engine=`` overrides of a preset.
+    Errors name the file and the field."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"{path}: cannot read the engine profile: {exc.strerror}"
+        ) from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"{path}: not an engine profile (not JSON: {exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise InvalidArgumentError(
+            f"{path}: not an engine profile (field format is not {FORMAT!r})"
+        )
+    if doc.get("version") != VERSION:
+        raise InvalidArgumentError(
+            f"{path}: field version: profile version {doc.get('version')!r}, this kvroute reads "
+            f"{VERSION}"
+        )
+    params = doc.get("params")
+    if not isinstance(params, dict) or not params:
+        raise InvalidArgumentError(f"{path}: field params: expected an object of numbers")
+    known = set(_core.engine_params())
+    out: dict[str, float] = {}
+    for name, value in params.items():
+        if name not in known:
+            raise InvalidArgumentError(
+                f"{path}: field params.{name}: unknown engine parameter; known: "
+                + ", ".join(sorted(known))
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise InvalidArgumentError(
+                f"{path}: field params.{name}: expected a finite number, got {value!r}"
+            )
+        out[name] = float(value)
+    try:
+        _core.engine_params("h20-qwen3-coder-30b-a3b", out)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{path}: field params: {exc}") from exc
+    return out
+
+
+__all__ = [
+    "COST_TERMS",
+    "FORMAT",
+    "KINDS",
+    "Point",
+    "error_summary",
+    "features",
+    "fit",
+    "load_profile",
+    "make_profile",
+    "predict",
+    "residuals",
+]
