@@ -318,8 +318,11 @@ def test_the_proxy_reads_each_engines_kv_capacity() -> None:
     with Stack(2) as s:  # emulators: no KV events, so the estimate, bounded
         wait_until(lambda: len(s.proxy.caches.found) == 2, 10, "both backends probed")
         for i, e in enumerate(s.emulators):
-            blocks = int(e.engine.stats()["num_gpu_blocks"])
-            assert s.proxy.caches.found[i]["capacity"] == (blocks, e.block_size)
+            stats = e.engine.stats()
+            # Blocks of the engine's KV block size (16 tokens), not of the trace's keys.
+            size = int(stats.get("kv_block_size", e.block_size))
+            assert size == 16
+            assert s.proxy.caches.found[i]["capacity"] == (int(stats["num_gpu_blocks"]), size)
 
 
 def test_a_bad_endpoint_or_instance_does_not_stop_the_subscriber(pub: FakePublisher) -> None:
