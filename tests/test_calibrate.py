@@ -5,6 +5,7 @@ with clear errors."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,8 @@ TRUE = {
 
 def test_fit_recovers_exact_points() -> None:
     grid = GRIDS["standard"].points()
-    points = [p.__class__(**{**p.__dict__, "context": p.context + 16}) for p in grid]
-    exact = [p.__class__(**{**p.__dict__, "seconds": predict(TRUE, p, 2048)}) for p in points]
+    points = [replace(p, context=p.context + 16) for p in grid]
+    exact = [replace(p, seconds=predict(TRUE, p, 2048)) for p in points]
     got = fit(exact, 2048)
     for term in COST_TERMS:
         assert got[term] == pytest.approx(TRUE[term], rel=1e-6), term
@@ -36,9 +37,7 @@ def test_fit_recovers_exact_points() -> None:
 def test_fit_keeps_terms_non_negative() -> None:
     points = GRIDS["short"].points()
     # Prefills that get cheaper with length would need a negative pair cost.
-    noisy = [
-        p.__class__(**{**p.__dict__, "seconds": 0.01 + 1e-6 * p.prefill_tokens}) for p in points
-    ]
+    noisy = [replace(p, seconds=0.01 + 1e-6 * p.prefill_tokens) for p in points]
     got = fit(noisy, 2048)
     assert all(v >= 0 for v in got.values()), got
 
@@ -68,10 +67,7 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
 
 
 def test_profile_document_and_errors(tmp_path: Path) -> None:
-    points = [
-        p.__class__(**{**p.__dict__, "seconds": predict(TRUE, p, 2048)})
-        for p in GRIDS["short"].points()
-    ]
+    points = [replace(p, seconds=predict(TRUE, p, 2048)) for p in GRIDS["short"].points()]
     doc = make_profile(
         points, engine={"urls": []}, scheduler={"max_num_batched_tokens": 2048, "max_num_seqs": 8}
     )

@@ -34,6 +34,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,17 @@ MODES = ("tracets", "thinktime", "poisson")
 FIRST_ID = 256
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 U64 = npt.NDArray[np.uint64]
+
+
+async def sse_payloads(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of a streamed completion, up to ``[DONE]``."""
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield payload
 
 
 def _mix(x: U64) -> U64:
@@ -283,12 +295,7 @@ class Replayer:
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, res: _Result) -> None:
         chunks = 0
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
+        async for payload in sse_payloads(resp):
             obj = json.loads(payload)
             if obj.get("error"):
                 res.error = f"stream error: {obj['error'].get('message', obj['error'])}"

@@ -21,6 +21,7 @@ fit assumes the engines are alike). O(grid tokens) of prompts; one asyncio loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,13 +33,13 @@ import numpy as np
 
 from kvroute.errors import KvrouteError
 from kvroute.proxy.caches import kv_capacity
+from kvroute.replay import FIRST_ID, sse_payloads
 from kvroute.sim.profile import Point, make_profile
 
 #: Tokens each decoder streams before a mixed point's prefill is sent.
 MIXED_WARMUP = 8
 #: Requests of a grid point fail when an answer takes longer than this.
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300.0, sock_connect=5.0)
-FIRST_ID = 256
 
 
 class CalibrationError(KvrouteError, RuntimeError):
@@ -156,12 +157,7 @@ class _Client:
                 if resp.status != 200:
                     text = (await resp.text()).strip()[:300]
                     raise CalibrationError(f"{url} answered {resp.status}: {text}")
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        break
+                async for payload in sse_payloads(resp):
                     obj = _json(payload, url)
                     if obj.get("choices"):
                         s.chunks.append(time.perf_counter())
@@ -247,8 +243,6 @@ class _Client:
 
 
 def _json(payload: bytes, url: str) -> dict[str, Any]:
-    import json
-
     try:
         obj = json.loads(payload)
     except ValueError as exc:

@@ -236,7 +236,7 @@ def load_profile(path: str | Path) -> dict[str, float]:
             )
         out[name] = float(value)
     try:
-        _core.engine_params("h20-qwen3-coder-30b-a3b", out)
+        _core.engine_params(overrides=out)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{path}: field params: {exc}") from exc
     return out
