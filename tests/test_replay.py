@@ -130,17 +130,30 @@ def test_failures_are_recorded(stack: Stack) -> None:
     assert summarize(records)["errors"] == 2
 
 
-def test_a_refused_cache_reset_stops_the_run(stack: Stack, tmp_path: Path) -> None:
-    """The emulators answer ``/reset_prefix_cache`` with 404, as vLLM does outside its dev
+def test_a_refused_cache_reset_stops_the_run(tmp_path: Path) -> None:
+    """Emulators that answer ``/reset_prefix_cache`` with 404, as vLLM does outside its dev
     mode: the proxy says which backend refused, and the replay stops before any request."""
     trace = small_trace(sessions=1, turns=1)
-    with pytest.raises(ReplayError, match=r"backend 0.*VLLM_SERVER_DEV_MODE"):
-        replay(trace, ReplayConfig(url=stack.url, time_scale=0, reset_cache=True))
-    path = write_trace(trace, tmp_path / "t.parquet")
-    args = ["replay", str(path), "--url", stack.url, "--reset-cache", "--no-progress"]
-    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "r.parquet")])
+    with Stack(2, speedup=50, emulator={"reset_prefix_cache": False}) as stack:
+        with pytest.raises(ReplayError, match=r"backend 0.*VLLM_SERVER_DEV_MODE"):
+            replay(trace, ReplayConfig(url=stack.url, time_scale=0, reset_cache=True))
+        path = write_trace(trace, tmp_path / "t.parquet")
+        args = ["replay", str(path), "--url", stack.url, "--reset-cache", "--no-progress"]
+        result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "r.parquet")])
     assert result.exit_code != 0 and "reset_prefix_cache" in result.output
     assert not (tmp_path / "r.parquet").exists()
+
+
+def test_a_cache_reset_makes_the_run_start_cold(stack: Stack) -> None:
+    """The emulators serve ``/reset_prefix_cache`` (vLLM's dev mode): a second run of the
+    same trace finds its prefixes cached, unless the caches are reset first."""
+    trace = small_trace(sessions=1, turns=1)
+    config = ReplayConfig(url=stack.url, time_scale=0)
+    replay(trace, config)
+    warm = replay(trace, config)
+    cold = replay(trace, ReplayConfig(url=stack.url, time_scale=0, reset_cache=True))
+    assert warm["cached_tokens"].to_pylist()[0] > 0
+    assert cold["cached_tokens"].to_pylist() == [0]
 
 
 def test_replay_command(stack: Stack, tmp_path: Path) -> None:

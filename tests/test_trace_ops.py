@@ -14,7 +14,7 @@ import kvroute
 from kvroute.cli import main
 from kvroute.schema import trace_schema
 from kvroute.trace import read_trace
-from kvroute.trace_ops import annotate_ttp, cap_sessions, sample, trace_stats
+from kvroute.trace_ops import annotate_ttp, cap_sessions, sample, shrink, trace_stats
 
 BUNDLED = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_head1000.jsonl"
 
@@ -130,3 +130,28 @@ def test_cli_convert_cap_stats_plot(tmp_path: Path) -> None:
     bad.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{\n')
     res = runner.invoke(main, ["trace", "stats", str(bad)])
     assert res.exit_code == 2 and "bad.jsonl:2" in res.output
+
+
+def test_shrink_keeps_the_keys_and_scales_the_lengths(tmp_path: Path) -> None:
+    table = _table([(0.0, "a", 0, 10), (1.0, "a", 1, 16), (2.0, "b", 0, 3)])
+    out = shrink(table, 2, max_output=1)
+    assert out["input_length"].to_pylist() == [5, 8, 2]  # 10 * 2/4, 16 * 2/4, ceil(3 * 2/4)
+    assert out["output_length"].to_pylist() == [1, 1, 1]
+    assert out["hash_ids"].equals(table["hash_ids"])
+    assert out.schema.metadata[b"kvroute.block_size"] == b"2"
+    # Each request keeps all its keys: ceil(new length / new block size) = the keys it had.
+    assert [-(-n // 2) for n in out["input_length"].to_pylist()] == [3, 4, 1]
+    assert shrink(table, 4)["output_length"].to_pylist() == [2, 2, 2]
+    for bad in (0, 5):
+        with pytest.raises(kvroute.InvalidArgumentError, match="block_size"):
+            shrink(table, bad)
+    with pytest.raises(kvroute.InvalidArgumentError, match="max_output"):
+        shrink(table, 2, max_output=0)
+    path = tmp_path / "small.parquet"
+    args = ["trace", "shrink", str(BUNDLED), "--to-block-size", "32", "--max-output", "8"]
+    result = CliRunner().invoke(main, [*args, "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    small, full = read_trace(path), read_trace(BUNDLED)
+    assert small["hash_ids"].equals(full["hash_ids"])
+    assert max(small["input_length"].to_pylist()) <= 8192
+    assert set(small["output_length"].to_pylist()) <= set(range(1, 9))

@@ -4,6 +4,9 @@
   of single-turn sessions (the study's ``sample_trace.py``).
 * :func:`cap_sessions`: the first ``max_turns`` requests of every session (the ``capped``
   ablation, ``docs/semantics.md`` §3).
+* :func:`shrink`: the same prefix structure in smaller blocks (each block keeps its key and
+  holds ``block_size`` tokens instead), outputs capped: a long-prompt trace that fits a small
+  engine's context (``docs/simulator.md`` "Side by side").
 * :func:`annotate_ttp`: fill ``time_to_parent_chat`` for ``thinktime`` dispatch.
 * :func:`trace_stats`: sizes, turns per session, length percentiles and per-request KV
   footprint for a model; :func:`plot_cdf` draws the CDFs.
@@ -25,7 +28,7 @@ import pyarrow.compute as pc
 
 from kvroute.errors import InvalidArgumentError
 from kvroute.files import save_figure
-from kvroute.schema import block_size_of
+from kvroute.schema import block_size_of, with_block_size
 
 TTP_BASIS_KEY = b"kvroute.ttp_basis"
 
@@ -113,6 +116,29 @@ def cap_sessions(table: pa.Table, max_turns: int = 8) -> pa.Table:
     df = df.with_columns(pl.int_range(pl.len()).over("session_id").alias("_k"))
     kept = df.filter(pl.col("_k") < max_turns).sort(["timestamp", "_row"])
     return _take(table, kept["_row"].to_numpy())
+
+
+def shrink(table: pa.Table, block_size: int, max_output: int | None = None) -> pa.Table:
+    """Every block of the trace as ``block_size`` tokens: input lengths scale by
+    ``block_size / trace block size`` (rounded up, so a request keeps all its blocks), the
+    ``hash_ids`` stay, so requests share exactly the blocks they shared; outputs capped at
+    ``max_output`` tokens. Rows, order and other columns are unchanged."""
+    old = block_size_of(table)
+    if block_size < 1 or block_size > old:
+        raise InvalidArgumentError(
+            f"block_size must be between 1 and the trace's block size {old}, got {block_size}"
+        )
+    if max_output is not None and max_output < 1:
+        raise InvalidArgumentError(f"max_output must be >= 1, got {max_output}")
+    i = table.schema.get_field_index("input_length")
+    lengths = table.column(i).to_numpy()
+    scaled = -(-lengths.astype(np.int64) * block_size // old)
+    out = table.set_column(i, "input_length", pa.array(scaled, table.schema.field(i).type))
+    if max_output is not None:
+        j = out.schema.get_field_index("output_length")
+        capped = pc.min_element_wise(out.column(j), pa.scalar(max_output, out.schema.field(j).type))
+        out = out.set_column(j, "output_length", capped)
+    return with_block_size(out, block_size)
 
 
 def annotate_ttp(table: pa.Table, finish: pa.Table | None = None) -> pa.Table:

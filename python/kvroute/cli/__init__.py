@@ -7,6 +7,7 @@ from __future__ import annotations
 import click
 
 import kvroute
+from kvroute.cli.calibrate import calibrate, side_by_side
 from kvroute.cli.ceilings import ceilings
 from kvroute.cli.common import Group, debug_option
 from kvroute.cli.demo import demo, list_policies
@@ -33,6 +34,8 @@ main.add_command(engine)
 main.add_command(replay)
 main.add_command(kv_events)
 main.add_command(simulate)
+main.add_command(calibrate)
+main.add_command(side_by_side)
 main.add_command(report)
 main.add_command(bench)
 

@@ -212,6 +212,13 @@ def _serve(app: Any, kw: dict[str, Any], what: str) -> None:
     help="Override a timing parameter of the preset.",
 )
 @click.option(
+    "--engine-profile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Timing and KV parameters from `kvroute calibrate` (--set wins); prompts are "
+    "hashed in the profile's KV blocks.",
+)
+@click.option(
     "--no-prompt-tokens-details",
     is_flag=True,
     help="Leave cached_tokens out of usage (vLLM without the flag).",
@@ -242,7 +249,7 @@ def engine(**kw: Any) -> None:
         config = EmulatorConfig(
             model=kw["model"] or DEFAULT_MODEL,
             preset=kw["preset"],
-            overrides=_pairs(kw["overrides"], "--set"),
+            overrides=_engine_overrides(kw["engine_profile"], kw["overrides"]),
             speedup=kw["speedup"],
             prompt_tokens_details=not kw["no_prompt_tokens_details"],
             faults=faults,
@@ -252,6 +259,19 @@ def engine(**kw: Any) -> None:
     except (ValueError, TypeError) as exc:
         raise BadInput(str(exc)) from exc
     _serve(app, kw, "engine")
+
+
+def _engine_overrides(profile: Path | None, sets: tuple[str, ...]) -> dict[str, Any]:
+    """The emulator's parameters: a calibrated profile's (hashing prompts in its KV blocks,
+    as vLLM does), then ``--set``."""
+    out: dict[str, Any] = {}
+    if profile is not None:
+        from kvroute.sim.profile import load_profile
+
+        out = dict(load_profile(profile))
+        if "kv_block_size" in out:
+            out["block_size"] = out["kv_block_size"]
+    return {**out, **_pairs(sets, "--set")}
 
 
 @click.command("replay")

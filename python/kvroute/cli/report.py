@@ -126,6 +126,12 @@ def bench() -> None:
 @click.option("--decode-prompt", default=256, show_default=True)
 @click.option("--decode-tokens", default=64, show_default=True)
 @click.option("--injections", default=4, show_default=True, help="Prefills per cell.")
+@click.option(
+    "--engine-profile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Also simulate every cell with this profile (from `kvroute calibrate`), side by side.",
+)
 @output_option(
     "--out", folder=True, default=None, help="Write interference.json and interference.png here."
 )
@@ -140,12 +146,20 @@ def interference(
     decode_prompt: int,
     decode_tokens: int,
     injections: int,
+    engine_profile: Path | None,
     out: Path | None,
     force: bool,
 ) -> None:
     """B2: a steady short-prompt decode load plus large one-token prefills on the same or
     another endpoint; TPOT and TTFT p90 indices (overlapping / clean decodes) per cell."""
-    from kvroute.report.interference import BenchConfig, plot, run_interference, to_dict
+    from kvroute.report.interference import (
+        BenchConfig,
+        plot,
+        run_interference,
+        simulate_interference,
+        to_dict,
+    )
+    from kvroute.sim.profile import load_profile
 
     try:
         size_list = tuple(int(s) for s in sizes.split(",") if s.strip())
@@ -163,25 +177,36 @@ def interference(
         decode_tokens,
         injections,
     )
+    params = load_profile(engine_profile) if engine_profile else None
     err = Console(stderr=True)
     cells = run_interference(
         cfg, lambda c: err.print(f"[dim]{c.variant} {c.size}: tpot idx {c.tpot_index}[/dim]")
     )
+    simulated = simulate_interference(cfg, params) if params is not None else None
+
+    def idx(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
     table = Table(title="interference microbenchmark (B2)", title_justify="left")
-    for col in ("variant", "prefill", "n_overlap", "n_clean", "TPOT idx", "TTFT idx", "errors"):
+    cols = ["variant", "prefill", "n_overlap", "n_clean", "TPOT idx", "TTFT idx", "errors"]
+    if simulated is not None:
+        cols[4:6] = ["TPOT idx real / sim", "TTFT idx real / sim"]
+    for col in cols:
         table.add_column(col, justify="left" if col == "variant" else "right")
-    for c in cells:
+    for i, c in enumerate(cells):
+        tpot, ttft = idx(c.tpot_index), idx(c.ttft_index)
+        if simulated is not None:
+            tpot += f" / {idx(simulated[i].tpot_index)}"
+            ttft += f" / {idx(simulated[i].ttft_index)}"
         table.add_row(
-            c.variant,
-            str(c.size),
-            str(c.n_overlap),
-            str(c.n_clean),
-            "n/a" if c.tpot_index is None else f"{c.tpot_index:.2f}",
-            "n/a" if c.ttft_index is None else f"{c.ttft_index:.2f}",
-            str(c.errors),
+            c.variant, str(c.size), str(c.n_overlap), str(c.n_clean), tpot, ttft, str(c.errors)
         )
-    Console().print(table)
+    Console(width=max(Console().width, 110)).print(table)
     if out is not None:
-        write_text(out / "interference.json", json.dumps(to_dict(cfg, cells), indent=2) + "\n")
+        doc = to_dict(cfg, cells)
+        if simulated is not None:
+            doc["simulated"] = to_dict(cfg, simulated)["cells"]
+            doc["engine_profile"] = str(engine_profile)
+        write_text(out / "interference.json", json.dumps(doc, indent=2) + "\n")
         plot(cells, out / "interference.png")
         Console().print(f"[dim]wrote {out}/interference.json, interference.png[/dim]")

@@ -141,6 +141,12 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     help="Engine parameter override NAME=VALUE (see docs/simulator.md).",
 )
 @click.option(
+    "--engine-profile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Engine parameters from `kvroute calibrate` (--engine overrides win).",
+)
+@click.option(
     "--router-cache",
     default="engine",
     show_default=True,
@@ -199,6 +205,7 @@ def simulate(
     params: tuple[str, ...],
     preset: str,
     engine: tuple[str, ...],
+    engine_profile: Path | None,
     router_cache: str,
     sample_interval: float,
     cap_turns: int,
@@ -213,9 +220,11 @@ def simulate(
 ) -> None:
     """Replay TRACE through simulated vLLM engines behind the kvroute Router."""
     from kvroute import sim
+    from kvroute.sim.profile import load_profile
 
     grid = _numbers(params, "--param")
-    overrides = {k: v[0] for k, v in _numbers(engine, "--engine").items()}
+    overrides = load_profile(engine_profile) if engine_profile else {}
+    overrides.update({k: v[0] for k, v in _numbers(engine, "--engine").items()})
     cache: str | int | None = int(router_cache) if router_cache.isdigit() else router_cache
     seeds = list(range(n_seeds)) if n_seeds else [int(s) for s in seed_list] or [0]
     mode_list = [m for name in _split(modes) for m in _MODES.get(name, [name])] or ["thinktime"]

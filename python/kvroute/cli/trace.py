@@ -16,7 +16,15 @@ from kvroute.cli.common import output_option
 from kvroute.cli.synth import synth
 from kvroute.files import read_parquet
 from kvroute.trace import FORMATS, read_trace_with_report, write_trace
-from kvroute.trace_ops import MODELS, annotate_ttp, cap_sessions, plot_cdf, sample, trace_stats
+from kvroute.trace_ops import (
+    MODELS,
+    annotate_ttp,
+    cap_sessions,
+    plot_cdf,
+    sample,
+    shrink,
+    trace_stats,
+)
 
 _err = Console(stderr=True)
 
@@ -155,6 +163,23 @@ def sample_cmd(
 def cap_cmd(output: Path, force: bool, max_turns: int, **read: Any) -> None:
     """Keep the first --max-turns requests of every session (the `capped` ablation)."""
     _output(cap_sessions(_load(**read), max_turns), output, force)
+
+
+@trace.command("shrink")
+@_input_options
+@_output_option
+@click.option(
+    "--to-block-size",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Tokens per block after (input lengths scale by it over the trace's block size).",
+)
+@click.option("--max-output", type=click.IntRange(min=1), default=None, help="Cap outputs.")
+def shrink_cmd(
+    output: Path, force: bool, to_block_size: int, max_output: int | None, **read: Any
+) -> None:
+    """The same prefix sharing in smaller blocks: prompts that fit a small engine."""
+    _output(shrink(_load(**read), to_block_size, max_output), output, force)
 
 
 @trace.command("annotate-ttp")

@@ -61,6 +61,10 @@ class Engine(Protocol):
 
     def cancel(self, request_id: RequestId) -> None: ...
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no running request holds; the blocks forgotten."""
+        ...
+
     def stats(self) -> dict[str, float]: ...
 
 
@@ -172,6 +176,12 @@ class SimpleEngine:
             self._used_blocks -= req.blocks
         else:
             self._waiting.remove(req)
+
+    def reset_prefix_cache(self) -> int:
+        # The model caches every block in the LRU (running ones too): all are forgotten.
+        n = len(self._lru)
+        self._lru.clear()
+        return n
 
     def stats(self) -> dict[str, float]:
         cap = self.p.kv_capacity_blocks

@@ -74,12 +74,14 @@ class Reply:
     def text_chunk(self, text: str) -> bytes:
         return b"data: " + self._pre + json.dumps(text).encode() + self._post
 
-    def final_chunk(self, finish_reason: str) -> bytes:
-        """The empty chunk that carries the finish reason."""
+    def final_chunk(self, finish_reason: str, text: str = "") -> bytes:
+        """The last chunk: the last tokens' ``text`` with the finish reason (as vLLM sends
+        it, so a client timing chunks sees one per decode step)."""
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+            delta = {"content": text} if text else {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "stop_reason": None}
+            choice = {"index": 0, "text": text, "logprobs": None, "stop_reason": None}
         choice["finish_reason"] = finish_reason
         return self._event({**self._head, "choices": [choice], "usage": None})
 

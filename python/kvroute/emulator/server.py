@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming or not;
 ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stream_options.include_usage``; usage with
 ``prompt_tokens_details.cached_tokens``), ``POST /tokenize``, ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (vLLM names, :mod:`kvroute.emulator.prom`).
+``GET /health``, ``GET /metrics`` (vLLM names, :mod:`kvroute.emulator.prom`) and ``POST
+/reset_prefix_cache`` (vLLM dev mode's).
 
 Prompts given as token ids are used as they are; text (and chat, rendered with
 :func:`kvroute.proxy.prompts.render_chat`) goes through kvroute's built-in tokenizer, which
@@ -62,6 +63,7 @@ class EmulatorConfig:
     ``kvroute._core.engine_presets()`` and ``fast``) or ``"simple"``
     (:class:`~kvroute.emulator.engine.SimpleEngine`, presets in ``engine.PRESETS``).
     ``overrides``: engine parameters of the preset to change, plus ``max_model_len``.
+    ``reset_prefix_cache``: serve ``POST /reset_prefix_cache`` (vLLM does only in dev mode).
     """
 
     model: str = DEFAULT_MODEL
@@ -71,6 +73,7 @@ class EmulatorConfig:
     prompt_tokens_details: bool = True
     faults: FaultConfig = field(default_factory=FaultConfig)
     engine: str = "sim"
+    reset_prefix_cache: bool = True
 
 
 def make_engine(config: EmulatorConfig) -> tuple[Engine, int, int]:
@@ -135,6 +138,8 @@ class Emulator:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        if self.config.reset_prefix_cache:
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -155,6 +160,11 @@ class Emulator:
     def _error(status: int, message: str, param: str | None = None) -> web.Response:
         kind = "NotFoundError" if status == 404 else "BadRequestError"
         return web.json_response(error_body(message, kind, status, param), status=status)
+
+    async def reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        """vLLM's dev-mode endpoint: forget the cached blocks no running request holds."""
+        self.engine.reset_prefix_cache()
+        return web.Response()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -279,11 +289,13 @@ class Emulator:
                 if die_after > sent:
                     await resp.write(reply.text_chunk(token_text(sent, die_after - sent)))
                 return self._die(request, resp)
-            if n:
+            if n and not finished:
                 chunk = reply.text_chunk(token_text(sent, n))
                 await resp.write(reply.role_chunk() + chunk if reply.chat and not sent else chunk)
-                sent += n
-        tail = reply.final_chunk(reason)
+            sent += n
+        tail = reply.final_chunk(reason, token_text(sent - n, n) if n else "")
+        if reply.chat and sent == n:
+            tail = reply.role_chunk() + tail
         if include_usage:
             details = self.config.prompt_tokens_details
             tail += reply.usage_chunk(usage(n_in, sent, cached, details))

@@ -79,6 +79,9 @@ class SimEngine:
                 out.append(EngineEvent("finish", rid, t))
         return out
 
+    def reset_prefix_cache(self) -> int:
+        return self.model.reset_prefix_cache()
+
     def cancel(self, request_id: RequestId) -> None:
         self.model.cancel(request_id)
         self._generated.pop(request_id, None)

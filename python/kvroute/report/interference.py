@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -112,19 +113,27 @@ async def _cell(
     dec_url = _url(cfg.decode_url)
     inj_url = dec_url if variant == "same" else _url(cfg.prefill_url or cfg.decode_url)
     t0 = time.monotonic()
-    n_dec = max(int(cfg.duration_s * cfg.decode_rate), 1)
-    gap = cfg.duration_s / (cfg.injections + 1)
+    dec_at, inj_at, _ = schedule(cfg, variant)
+    n_dec = len(dec_at)
 
-    async def at(t: float, url: str, n: int, out: int) -> tuple[float, float | None, float, bool]:
+    async def at(t: float, url: str, n: int, out: int) -> Timing:
         await asyncio.sleep(max(0.0, t0 + t - time.monotonic()))
         return await _one(http, url, model, prompt(n), out)
 
-    decodes = [
-        at(i / cfg.decode_rate, dec_url, cfg.decode_prompt, cfg.decode_tokens) for i in range(n_dec)
-    ]
-    injects = [at((k + 1) * gap, inj_url, size, 1) for k in range(cfg.injections)]
+    decodes = [at(t, dec_url, cfg.decode_prompt, cfg.decode_tokens) for t in dec_at]
+    injects = [at(t, inj_url, size, 1) for t in inj_at]
     res = await asyncio.gather(*decodes, *injects)
-    dec, inj = res[:n_dec], res[n_dec:]
+    return cell_of(variant, size, res[:n_dec], res[n_dec:], cfg.decode_tokens)
+
+
+Timing = tuple[float, float | None, float, bool]
+
+
+def cell_of(
+    variant: str, size: int, dec: Sequence[Timing], inj: Sequence[Timing], decode_tokens: int
+) -> Cell:
+    """A cell from its requests' ``(send, first token, finish, ok)``: the decodes' and the
+    injections' (see the module doc for what overlaps)."""
     windows = [(s, f) for s, _, f, _ in inj]
     cell = Cell(variant, size, injection_s=[f - s for s, f in windows])
     tp: dict[bool, list[float]] = {True: [], False: []}
@@ -135,8 +144,8 @@ async def _cell(
             continue
         over_d = any(ws <= f and we >= first for ws, we in windows)
         over_t = any(ws <= first and we >= s for ws, we in windows)
-        if cfg.decode_tokens > 1:
-            tp[over_d].append((f - first) / (cfg.decode_tokens - 1))
+        if decode_tokens > 1:
+            tp[over_d].append((f - first) / (decode_tokens - 1))
         tt[over_t].append(first - s)
     cell.n_overlap, cell.n_clean = len(tp[True]), len(tp[False])
     po, pc = _p90(tp[True]), _p90(tp[False])
@@ -146,6 +155,64 @@ async def _cell(
     cell.ttft_p90_overlap_s, cell.ttft_p90_clean_s = _p90(tt[True]), _p90(tt[False])
     cell.ttft_index = _ratio(cell.ttft_p90_overlap_s, cell.ttft_p90_clean_s)
     return cell
+
+
+def schedule(cfg: BenchConfig, variant: str) -> tuple[list[float], list[float], bool]:
+    """The decodes' and the injections' send times (s from the cell's start), and whether
+    the injections go to the decode endpoint."""
+    n_dec = max(int(cfg.duration_s * cfg.decode_rate), 1)
+    gap = cfg.duration_s / (cfg.injections + 1)
+    decodes = [i / cfg.decode_rate for i in range(n_dec)]
+    return decodes, [(k + 1) * gap for k in range(cfg.injections)], variant == "same"
+
+
+def simulate_interference(
+    cfg: BenchConfig, engine: Mapping[str, float], preset: str = "h20-qwen3-coder-30b-a3b"
+) -> list[Cell]:
+    """The cells of :func:`run_interference` as the simulator's engine model predicts them:
+    the same schedule, on two ``kvroute.EngineModel`` engines of ``engine`` parameters (a
+    profile's), each event ``request_overhead_s`` later as the client would see it."""
+    variants = [v for v in cfg.variants if v == "same" or cfg.prefill_url]
+    return [_simulated_cell(cfg, engine, preset, v, size) for v in variants for size in cfg.sizes]
+
+
+def _simulated_cell(
+    cfg: BenchConfig, engine: Mapping[str, float], preset: str, variant: str, size: int
+) -> Cell:
+    from kvroute import EngineModel
+
+    engines = [EngineModel(preset, **engine), EngineModel(preset, **engine)]
+    late = float(engines[0].params["request_overhead_s"])
+    block = int(engines[0].params["block_size"])
+    decodes, injects, same = schedule(cfg, variant)
+    arrivals = [
+        (t, 0, f"d{i}", cfg.decode_prompt, cfg.decode_tokens) for i, t in enumerate(decodes)
+    ]
+    arrivals += [(t, 0 if same else 1, f"i{k}", size, 1) for k, t in enumerate(injects)]
+    times: dict[Any, list[float]] = {}
+
+    def collect(now: float) -> None:
+        for e in engines:
+            for kind, rid, t, *_ in e.advance(now):
+                if kind in ("first_token", "finish"):
+                    times[rid][1 if kind == "first_token" else 2] = t + late
+
+    for n, (t, eng, rid, n_in, n_out) in enumerate(sorted(arrivals)):
+        collect(t)
+        # Keys of their own: nothing is cached, as with the benchmark's random prompts.
+        keys = np.arange(-(-n_in // block), dtype=np.uint64) + np.uint64(n << 32)
+        engines[eng].submit(rid, keys, n_in, n_out, t)
+        times[rid] = [t, float("nan"), float("nan")]
+    while pending := [x for x in (e.next_event_time() for e in engines) if x is not None]:
+        collect(min(pending))
+
+    def timing(rid: Any) -> Timing:
+        s, f, e = times[rid]
+        return s, f, e, not np.isnan(e)
+
+    dec = [timing(f"d{i}") for i in range(len(decodes))]
+    inj = [timing(f"i{k}") for k in range(len(injects))]
+    return cell_of(variant, size, dec, inj, cfg.decode_tokens)
 
 
 async def _run(cfg: BenchConfig, on_cell: Any = None) -> list[Cell]:

@@ -9,10 +9,13 @@ before each point. Requests go to ``/v1/completions`` with ``ignore_eos``, strea
 the monotonic clock when each chunk arrives. What a point measures:
 
 * ``prefill``: the first-token time of one request, the median of ``repeats`` tries;
-* ``decode``: ``batch`` requests sent together; once all have their first token, the time per
-  token of each (its chunks' span over their count) up to the first finish; the median;
-* ``mixed``: ``batch`` decoding requests; when each has streamed ``MIXED_WARMUP`` tokens, one
-  prefill is sent; the longest gap of each decoder while it is prefilled; the median.
+* ``decode``: ``batch`` prompts prefilled once, then sent again together (so only their last
+  blocks are computed and they start decoding at once); once all have their first token,
+  the time per token of each (its chunks' span over their count) up to the first finish;
+  the median;
+* ``mixed``: ``batch`` decoding requests, started as for ``decode``; when each has streamed
+  ``MIXED_WARMUP`` tokens, one prefill is sent; the longest gap of each decoder while it is
+  prefilled; the median.
 
 The grid's points are spread over the engines (each engine runs one point at a time; the
 fit assumes the engines are alike). O(grid tokens) of prompts; one asyncio loop.
@@ -191,10 +194,16 @@ class _Client:
         s = await self.stream(prompt, 1)
         return s.chunks[0] - s.sent, s.cached
 
+    async def cached_prompts(self, batch: int, context: int) -> list[list[int]]:
+        """``batch`` prompts of ``context`` tokens, prefilled once first, so that a batch of
+        them starts decoding together (only each prompt's last block is computed again)."""
+        prompts = [self.prompt(context) for _ in range(batch)]
+        await asyncio.gather(*(self.stream(p, 1) for p in prompts))
+        return prompts
+
     async def decode(self, batch: int, context: int, tokens: int) -> float:
-        streams = await asyncio.gather(
-            *(self.stream(self.prompt(context), tokens) for _ in range(batch))
-        )
+        prompts = await self.cached_prompts(batch, context)
+        streams = await asyncio.gather(*(self.stream(p, tokens) for p in prompts))
         start = max(s.chunks[0] for s in streams)
         end = min(s.chunks[-1] for s in streams)
         per_token = []
@@ -210,10 +219,12 @@ class _Client:
         return statistics.median(per_token)
 
     async def mixed(self, batch: int, context: int, prefill: int, tokens: int) -> float:
+        prompts = await self.cached_prompts(batch, context)
         now = time.perf_counter()
         decoders = [_Stream(now) for _ in range(batch)]
         tasks = [
-            asyncio.ensure_future(self.stream(self.prompt(context), tokens, s)) for s in decoders
+            asyncio.ensure_future(self.stream(p, tokens, s))
+            for p, s in zip(prompts, decoders, strict=True)
         ]
         try:
             while any(len(s.chunks) < MIXED_WARMUP for s in decoders):
@@ -331,10 +342,11 @@ async def measure(
     max_num_seqs: int = 128,
     vocab_size: int = 32000,
     seed: int = 0,
-    on_point: Callable[[Point], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Point], list[EngineInfo], list[str]]:
     """Measure ``grid`` on the engines: the points, what each engine said, and the points
-    skipped with why."""
+    skipped with why. ``progress(done, total)`` is called before the first point and after
+    each."""
     async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as http:
         infos = [await probe(http, u.rstrip("/"), model) for u in urls]
         clients = [_Client(http, info, vocab_size, seed + i) for i, info in enumerate(infos)]
@@ -360,16 +372,26 @@ async def measure(
         for i, p in enumerate(todo):
             queue.put_nowait((i, p))
         done: dict[int, Point] = {}
+        if progress is not None:
+            progress(0, len(todo))
 
         async def work(c: _Client) -> None:
             while not queue.empty():
                 i, p = queue.get_nowait()
                 done[i] = await _measure_one(c, p, grid)
-                if on_point is not None:
-                    on_point(done[i])
+                if progress is not None:
+                    progress(len(done), len(todo))
 
         await asyncio.gather(*(work(c) for c in clients))
     return [done[i] for i in sorted(done)], infos, skipped
+
+
+def _grid(grid: str | Grid) -> Grid:
+    if isinstance(grid, Grid):
+        return grid
+    if grid not in GRIDS:
+        raise CalibrationError(f"unknown grid {grid!r}; the grids are {', '.join(GRIDS)}")
+    return GRIDS[grid]
 
 
 def calibrate(
@@ -382,25 +404,30 @@ def calibrate(
     max_num_seqs: int = 128,
     vocab_size: int = 32000,
     seed: int = 0,
-    on_point: Callable[[Point], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Measure ``grid`` (and ``held_out``, not fitted) on the engines and return the profile
     document (:func:`kvroute.sim.profile.make_profile`). ``max_num_batched_tokens`` and
-    ``max_num_seqs`` are the engines' scheduler settings (vLLM's CPU defaults here)."""
+    ``max_num_seqs`` are the engines' scheduler settings (vLLM's CPU defaults here).
+    ``progress(stage, done, total)`` follows the points, stage ``"fit"`` then
+    ``"held-out"``."""
     if not urls:
         raise CalibrationError("calibrate needs at least one engine URL")
-    fit_grid = GRIDS[grid] if isinstance(grid, str) else grid
-    opts: dict[str, Any] = {
-        "model": model,
-        "max_num_seqs": max_num_seqs,
-        "vocab_size": vocab_size,
-        "on_point": on_point,
-    }
-    points, infos, skipped = asyncio.run(measure(urls, fit_grid, seed=seed, **opts))
+    fit_grid = _grid(grid)
+    opts: dict[str, Any] = {"model": model, "max_num_seqs": max_num_seqs, "vocab_size": vocab_size}
+
+    def stage(name: str) -> Callable[[int, int], None] | None:
+        return None if progress is None else lambda done, total: progress(name, done, total)
+
+    points, infos, skipped = asyncio.run(
+        measure(urls, fit_grid, seed=seed, progress=stage("fit"), **opts)
+    )
     held: list[Point] = []
     if held_out is not None:
-        other = GRIDS[held_out] if isinstance(held_out, str) else held_out
-        held, _, more = asyncio.run(measure(urls, other, seed=seed + 1000, **opts))
+        other = _grid(held_out)
+        held, _, more = asyncio.run(
+            measure(urls, other, seed=seed + 1000, progress=stage("held-out"), **opts)
+        )
         skipped += more
     scheduler: dict[str, int] = {
         "max_num_batched_tokens": max_num_batched_tokens,

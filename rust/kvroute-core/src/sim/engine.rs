@@ -231,6 +231,11 @@ impl<'a> Engine<'a> {
     }
 
     /// Queues, pool use and counters (as of the last step boundary).
+    /// Empty the prefix cache of every entry no running request holds; the blocks emptied.
+    pub fn reset_prefix_cache(&mut self) -> u64 {
+        self.kv.reset()
+    }
+
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             running: self.running.len(),

@@ -215,6 +215,18 @@ impl KvPool {
         self.queue.compact(self.free_entries, |f| entries[f.slot as usize].freed == f.stamp);
     }
 
+    /// Drop every unreferenced entry (vLLM's `reset_prefix_cache`; not counted as
+    /// evictions); entries running requests hold stay. Returns the blocks emptied.
+    pub fn reset(&mut self) -> u64 {
+        let blocks = self.cached;
+        let evictions = self.evictions;
+        if blocks > 0 {
+            self.evict_blocks(blocks);
+        }
+        self.evictions = evictions;
+        blocks
+    }
+
     /// Unreferenced resident keys from most to least recently freed (tests).
     pub fn free_keys_mru(&self) -> Vec<u64> {
         let mut free: Vec<&Entry> = self.entries.iter().filter(|e| e.freed != 0).collect();
@@ -286,6 +298,11 @@ mod tests {
         assert_eq!(kv.pin(&slots, &mut h2), 2);
         assert_eq!((kv.pinned(), kv.cached(), kv.available()), (9, 0, 1));
         assert!(kv.register(1, 2).is_none());
+        // A reset keeps the referenced key 1, drops nothing else (none is free), and counts
+        // no evictions.
+        kv.release(&h2, 0);
+        assert_eq!(kv.reset(), 2);
+        assert_eq!((kv.cached(), kv.resident_keys(), kv.evictions()), (0, 0, 2));
     }
 
     /// A plain model of the pool: reference counts, and the free keys as a list (most

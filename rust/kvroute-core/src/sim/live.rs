@@ -124,6 +124,11 @@ impl LiveEngine {
         Ok(out)
     }
 
+    /// Empty the prefix cache (entries running requests hold stay); the blocks emptied.
+    pub fn reset_prefix_cache(&mut self) -> u64 {
+        self.engine.reset_prefix_cache()
+    }
+
     /// Drop a request; returns whether it was in the engine.
     pub fn cancel(&mut self, id: &Id) -> bool {
         let Some((tag, handle)) = self.by_id.remove(id) else { return false };

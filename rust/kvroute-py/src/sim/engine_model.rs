@@ -115,6 +115,12 @@ impl PyEngineModel {
         Ok(self.lock().cancel(&rid))
     }
 
+    /// Empty the prefix cache of every block no running request holds (vLLM's
+    /// ``reset_prefix_cache``); returns the KV blocks emptied.
+    fn reset_prefix_cache(&self) -> u64 {
+        self.lock().reset_prefix_cache()
+    }
+
     /// running, waiting, kv_used_blocks, kv_cached_blocks, kv_total_blocks, kv_usage,
     /// prefix_cache_queries, prefix_cache_hits (tokens), preemptions, finished, steps, now.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -1,0 +1,299 @@
+"""The simulator against real engines, side by side: each policy's arm replayed through the
+kvroute proxy in front of running engines, and simulated with a calibrated engine profile,
+on the same trace (``docs/simulator.md`` "Side by side").
+
+Per arm: the proxy starts with the policy (estimate view only, as the simulator's router),
+the engines' prefix caches are reset, the replayer drives the trace and its records are
+summarized; the simulator then runs every arm on the same trace with the profile's engine
+parameters (one parallel sweep). :func:`compare` sets the two summaries against each other
+and checks the targets: APC within 2 points, the policies' APC order the same (pairs whose
+real APCs are within those 2 points count as tied), TTFT p50 within 25% and p90 within 40%.
+Before each real arm, it waits until the engines hold no request (vLLM answers a reset with
+200 even when blocks in use made it fail).
+
+Cost: the real arms take the trace's wall time each; the simulated ones milliseconds.
+Blocking; runs its own event loops (one proxy thread, one replay loop); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute.errors import InvalidArgumentError
+from kvroute.files import write_text
+from kvroute.metrics import summarize
+from kvroute.records import write_records
+from kvroute.replay import ReplayError
+from kvroute.schema import block_size_of
+from kvroute.trace import read_trace
+
+#: The default arms: the study's four and LPWL.
+POLICIES = ("unified", "lmetric", "load_only", "sticky", "leastwork")
+#: (metric, quantile) pairs set side by side.
+LATENCIES: tuple[tuple[str, str], ...] = tuple(
+    (metric, q) for metric in ("ttft", "tpot", "e2e") for q in ("p50", "p90")
+)
+#: The targets: APC points, TTFT p50 and p90 relative differences.
+TARGETS = {"apc_points": 2.0, "ttft_p50": 0.25, "ttft_p90": 0.40}
+
+
+@dataclass
+class Arm:
+    """One policy: the real run's and the simulated run's records and summaries."""
+
+    policy: str
+    real_records: pa.Table
+    sim_records: pa.Table
+    real: dict[str, Any]
+    sim: dict[str, Any]
+
+
+def scale_time(trace: pa.Table, factor: float) -> pa.Table:
+    """The trace with timestamps and think times multiplied by ``factor``."""
+    for name in ("timestamp", "time_to_parent_chat"):
+        if name in trace.column_names:
+            i = trace.schema.get_field_index(name)
+            col = trace.column(i)
+            trace = trace.set_column(i, name, pc.multiply(col, factor).cast(col.type))
+    return trace
+
+
+def requests_in(url: str) -> float:
+    """Requests an engine is running or holding (its ``vllm:num_requests_*`` gauges)."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    return sum(
+        s.value for f in text_string_to_metric_families(text) if f.name in names for s in f.samples
+    )
+
+
+def wait_idle(urls: Sequence[str], timeout_s: float = 120.0) -> None:
+    """Wait until no engine holds a request: vLLM answers ``/reset_prefix_cache`` with 200
+    even when it could not reset because blocks were still in use."""
+    deadline = time.monotonic() + timeout_s
+    while busy := [u for u in urls if requests_in(u) > 0]:
+        if time.monotonic() > deadline:
+            raise ReplayError(f"engines still busy after {timeout_s:g} s: {', '.join(busy)}")
+        time.sleep(0.2)
+
+
+def run_real(
+    trace: pa.Table,
+    urls: Sequence[str],
+    policy: str,
+    *,
+    mode: str = "tracets",
+    seed: int = 0,
+    model: str | None = None,
+    request_timeout_s: float = 600.0,
+    on_done: Callable[[], None] | None = None,
+) -> pa.Table:
+    """One arm against the engines: a proxy with ``policy`` in front of ``urls``, caches
+    reset, the trace replayed; the records."""
+    from kvroute.proxy import Proxy, ProxyConfig, ServerThread
+    from kvroute.proxy.serving import new_event_loop
+    from kvroute.replay import ReplayConfig, Replayer
+
+    config = ProxyConfig(
+        backends=list(urls),
+        policy=policy,
+        router_options={"block_size": block_size_of(trace)},
+        kv_events="off",
+        health_interval_s=0.5,
+        request_timeout_s=request_timeout_s,
+    )
+    wait_idle(urls)
+    thread = ServerThread()
+    try:
+        url = thread.start(Proxy(config))
+        replay = ReplayConfig(
+            url=url,
+            mode=mode,
+            model=model,
+            seed=seed,
+            reset_cache=True,
+            request_timeout_s=request_timeout_s,
+        )
+        replayer = Replayer(trace, replay)
+        if on_done is not None:
+            replayer.on_done = on_done
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(replayer.run())
+    finally:
+        thread.close()
+
+
+def side_by_side(
+    trace: Any,
+    urls: Sequence[str],
+    engine: Mapping[str, float],
+    *,
+    policies: Sequence[str] = POLICIES,
+    mode: str = "tracets",
+    time_scale: float = 1.0,
+    seed: int = 0,
+    model: str | None = None,
+    on_arm: Callable[[str], None] | None = None,
+    on_request: Callable[[], None] | None = None,
+) -> list[Arm]:
+    """Every policy replayed against ``urls`` and simulated with ``engine`` (the parameters
+    of a profile, :func:`kvroute.sim.profile.load_profile`) on the same trace."""
+    from kvroute import sim
+
+    if not urls:
+        raise InvalidArgumentError("side_by_side needs at least one engine URL")
+    if mode not in ("tracets", "thinktime"):
+        raise InvalidArgumentError(f"mode must be tracets or thinktime, got {mode!r}")
+    table = read_trace(trace)
+    if time_scale != 1.0:
+        table = scale_time(table, time_scale)
+    names = sim.resolve_policies(list(policies))
+    simulated = sim.sweep(
+        table,
+        policies=names,
+        modes=[mode],
+        seeds=[seed],
+        instances=len(urls),
+        engine=dict(engine),
+        sample_interval=0.0,
+    )
+    arms = []
+    for name, s in zip(names, simulated, strict=True):
+        if on_arm is not None:
+            on_arm(name)
+        real = run_real(table, urls, name, mode=mode, seed=seed, model=model, on_done=on_request)
+        arms.append(Arm(name, real, s.records, summarize(real, len(urls)), s.summary))
+    return arms
+
+
+def _rel(sim: float | None, real: float | None) -> float | None:
+    return None if sim is None or not real else sim / real - 1.0
+
+
+def compare(arms: Sequence[Arm]) -> dict[str, Any]:
+    """Per arm, each metric real, simulated and their difference (APC in points, latencies
+    relative), and which targets hold."""
+    rows = []
+    for a in arms:
+        row: dict[str, Any] = {"policy": a.policy, "errors": {"real": a.real["errors"]}}
+        apc_r, apc_s = a.real["apc"], a.sim["apc"]
+        row["apc"] = {
+            "real": apc_r,
+            "sim": apc_s,
+            "points": None if apc_r is None or apc_s is None else 100 * (apc_s - apc_r),
+        }
+        for metric, q in LATENCIES:
+            r, s = a.real[metric][q], a.sim[metric][q]
+            row[f"{metric}_{q}"] = {"real": r, "sim": s, "rel": _rel(s, r)}
+        for key in ("hotspot_index", "req_bal"):
+            row[key] = {"real": a.real[key], "sim": a.sim[key]}
+        rows.append(row)
+
+    def order(side: str) -> list[str]:
+        return [r["policy"] for r in sorted(rows, key=lambda r: -(r["apc"][side] or 0.0))]
+
+    def apc(r: dict[str, Any], side: str) -> float:
+        return 100 * (r["apc"][side] or 0.0)
+
+    # Policies whose real APCs are within the APC tolerance of each other are tied: their
+    # order is noise. Every other pair must be ordered alike.
+    tol = TARGETS["apc_points"]
+    flipped = [
+        [a["policy"], b["policy"]]
+        for i, a in enumerate(rows)
+        for b in rows[i + 1 :]
+        if abs(apc(a, "real") - apc(b, "real")) > tol
+        and (apc(a, "real") > apc(b, "real")) != (apc(a, "sim") > apc(b, "sim"))
+    ]
+
+    def within(key: str, field: str, bound: float) -> bool:
+        return all(r[key][field] is not None and abs(r[key][field]) <= bound for r in rows)
+
+    targets = {
+        "apc_within_2_points": within("apc", "points", TARGETS["apc_points"]),
+        "apc_order_same": not flipped,
+        "ttft_p50_within_25pct": within("ttft_p50", "rel", TARGETS["ttft_p50"]),
+        "ttft_p90_within_40pct": within("ttft_p90", "rel", TARGETS["ttft_p90"]),
+    }
+    return {
+        "arms": rows,
+        "apc_order": {"real": order("real"), "sim": order("sim"), "flipped": flipped},
+        "targets": targets,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"
+
+
+def _s(x: float | None, scale: float = 1.0) -> str:
+    return "-" if x is None else f"{x * scale:.3g}"
+
+
+def markdown(doc: Mapping[str, Any]) -> str:
+    """The comparison as a Markdown table (real / simulated, difference)."""
+    head = ["policy", "APC real / sim (pts)"]
+    head += [f"{m.upper()} {q} {'ms' if m == 'tpot' else 's'}" for m, q in LATENCIES]
+    head += ["hotspot real / sim"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in doc["arms"]:
+        apc = r["apc"]
+        cells = [
+            r["policy"],
+            f"{_s(apc['real'], 100)}% / {_s(apc['sim'], 100)}% "
+            f"({'-' if apc['points'] is None else format(apc['points'], '+.1f')})",
+        ]
+        for m, q in LATENCIES:
+            c, k = r[f"{m}_{q}"], 1e3 if m == "tpot" else 1.0
+            cells.append(f"{_s(c['real'], k)} / {_s(c['sim'], k)} ({_pct(c['rel'])})")
+        h = r["hotspot_index"]
+        cells.append(f"{_s(h['real'])} / {_s(h['sim'])}")
+        lines.append("| " + " | ".join(cells) + " |")
+    t = doc["targets"]
+    lines.append("")
+    lines.append("Targets: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in t.items()))
+    lines.append(
+        f"APC order real: {', '.join(doc['apc_order']['real'])}; "
+        f"simulated: {', '.join(doc['apc_order']['sim'])} (pairs more than "
+        f"{TARGETS['apc_points']:g} points apart in the real run and ordered otherwise in the "
+        f"simulation: {doc['apc_order']['flipped'] or 'none'})"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write(arms: Sequence[Arm], out_dir: str | Path, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Write each arm's records (``<policy>/real.parquet``, ``sim.parquet``),
+    ``side_by_side.json`` and ``side_by_side.md``; the comparison document."""
+    out = Path(out_dir)
+    for a in arms:
+        write_records(a.real_records, out / a.policy / "real.parquet")
+        write_records(a.sim_records, out / a.policy / "sim.parquet")
+    doc = {**dict(meta), **compare(arms)}
+    write_text(out / "side_by_side.json", json.dumps(doc, indent=2) + "\n")
+    write_text(out / "side_by_side.md", markdown(doc))
+    return doc
+
+
+__all__ = [
+    "POLICIES",
+    "TARGETS",
+    "Arm",
+    "compare",
+    "markdown",
+    "run_real",
+    "scale_time",
+    "side_by_side",
+    "write",
+]

@@ -1,0 +1,86 @@
+"""The simulator held to real vLLM on CPU (``make test-vllm``): a calibration on the standard
+grid predicts the held-out grid within the error it states, and the side-by-side run of a
+small Mooncake-derived trace gets each policy's APC within 2 points of the real engines'.
+
+The side-by-side needs alike engines (the simulator's are), so beside the session's engine 0
+(1 GiB of KV) this module starts a second engine of the same size on the other core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from kvroute.sim import side_by_side as sbs
+from kvroute.sim.calibrate import calibrate
+
+pytestmark = pytest.mark.vllm
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_sessions_32tok.parquet"
+
+
+@pytest.fixture(scope="module")
+def alike(vllm_engines: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Engine 0 of the session and a second engine like it (cold caches)."""
+    import realvllm
+
+    logs = tmp_path_factory.mktemp("vllm-alike")
+    port, events = realvllm.free_ports(2)
+    first = vllm_engines[0]
+    model = realvllm.ensure_model(realvllm.ensure_venv())
+    second = realvllm.start_engine(model, port, events, first.core + 1, logs)
+    try:
+        realvllm.wait_healthy([second])
+        yield [first.url, second.url]
+    finally:
+        second.stop()
+
+
+@pytest.fixture(scope="module")
+def profile(alike: list[str]) -> dict[str, Any]:
+    return calibrate(alike[:1], grid="standard", held_out="held-out", seed=7)
+
+
+def test_calibration_predicts_held_out_points(profile: dict[str, Any]) -> None:
+    fit, held = profile["fit"]["error"]["all"], profile["held_out"]["error"]["all"]
+    assert held["points"] >= 6 and fit["points"] >= 10
+    # The profile states its error on the points it was fitted to; points it never saw are
+    # predicted as well: their median within the fit's p90, none beyond twice its worst.
+    assert held["p50"] <= max(fit["p90"], 0.05), (fit, held)
+    assert held["max"] <= 2 * max(fit["max"], 0.05), (fit, held)
+    p = profile["params"]
+    assert 1e-3 < p["step_overhead_s"] < 0.1 and p["prefill_s_per_token"] > 0
+    assert p["kv_block_size"] == 32 and p["kv_capacity_tokens"] > 100_000
+
+
+def test_side_by_side_apc_agrees(alike: list[str], profile: dict[str, Any]) -> None:
+    trace = pq.read_table(TRACE).slice(0, 60)
+    policies = ["unified", "load_only", "sticky"]
+    arms = sbs.side_by_side(trace, alike, profile["params"], policies=policies, time_scale=0.1)
+    doc = sbs.compare(arms)
+    for arm in doc["arms"]:
+        assert arm["errors"]["real"] == 0, arm
+        assert abs(arm["apc"]["points"]) <= 2.0, arm
+    # The policies place sessions differently, so their hit rates differ.
+    assert doc["arms"][2]["apc"]["real"] > doc["arms"][1]["apc"]["real"]
+
+
+def test_interference_real_and_simulated(
+    alike: list[str], profile: dict[str, Any], tmp_path: Path
+) -> None:
+    """B2 on a real engine and as the calibrated simulator predicts it: a 4k-token prefill on
+    the decoding engine slows its decodes, and the model's TPOT index is within 1.5x."""
+    from kvroute.report.interference import BenchConfig, run_interference, simulate_interference
+
+    cfg = BenchConfig(
+        alike[0], sizes=(4096,), variants=("same",), duration_s=8.0, decode_rate=4.0,
+        decode_prompt=256, decode_tokens=48, injections=2,
+    )  # fmt: skip
+    (real,) = run_interference(cfg)
+    (sim,) = simulate_interference(cfg, profile["params"])
+    assert real.errors == 0 and real.tpot_index is not None and sim.tpot_index is not None
+    assert real.tpot_index > 1.2 and sim.tpot_index > 1.2
+    assert 1 / 1.5 < sim.tpot_index / real.tpot_index < 1.5, (real, sim)
