@@ -75,7 +75,9 @@ def test_killed_while_writing_keeps_the_old_file(
     # The target is the old file or the whole new one, never anything else.
     if target.read_bytes() != before:
         assert kvroute.read_trace(target).num_rows == int(SYNTH_REQUESTS)
-        assert rc in (0, 143, -signal.SIGKILL), stderr
+        # -SIGTERM: the signal came after the command had finished, while the interpreter
+        # was shutting down (its handlers are gone by then); the file was complete.
+        assert rc in (0, 143, -signal.SIGKILL, -signal.SIGTERM), stderr
         if rc == 143:
             assert f"kept 1 complete output(s): {target}" in stderr
         return
