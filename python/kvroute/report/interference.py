@@ -180,35 +180,20 @@ def _simulated_cell(
     cfg: BenchConfig, engine: Mapping[str, float], preset: str, variant: str, size: int
 ) -> Cell:
     from kvroute import EngineModel
+    from kvroute.sim.fidelity import drive
 
     engines = [EngineModel(preset, **engine), EngineModel(preset, **engine)]
     late = float(engines[0].params["request_overhead_s"])
-    block = int(engines[0].params["block_size"])
     decodes, injects, same = schedule(cfg, variant)
-    arrivals = [
-        (t, 0, f"d{i}", cfg.decode_prompt, cfg.decode_tokens) for i, t in enumerate(decodes)
+    arrivals: list[tuple[float, int, int, int | str, int, int]] = [
+        (t, 0, 0, f"d{i}", cfg.decode_prompt, cfg.decode_tokens) for i, t in enumerate(decodes)
     ]
-    arrivals += [(t, 0 if same else 1, f"i{k}", size, 1) for k, t in enumerate(injects)]
-    times: dict[Any, list[float]] = {}
+    arrivals += [(t, 0 if same else 1, 1, f"i{k}", size, 1) for k, t in enumerate(injects)]
+    times = drive(engines, arrivals, int(engines[0].params["block_size"]))
 
-    def collect(now: float) -> None:
-        for e in engines:
-            for kind, rid, t, *_ in e.advance(now):
-                if kind in ("first_token", "finish"):
-                    times[rid][1 if kind == "first_token" else 2] = t + late
-
-    for n, (t, eng, rid, n_in, n_out) in enumerate(sorted(arrivals)):
-        collect(t)
-        # Keys of their own: nothing is cached, as with the benchmark's random prompts.
-        keys = np.arange(-(-n_in // block), dtype=np.uint64) + np.uint64(n << 32)
-        engines[eng].submit(rid, keys, n_in, n_out, t)
-        times[rid] = [t, float("nan"), float("nan")]
-    while pending := [x for x in (e.next_event_time() for e in engines) if x is not None]:
-        collect(min(pending))
-
-    def timing(rid: Any) -> Timing:
+    def timing(rid: str) -> Timing:
         s, f, e = times[rid]
-        return s, f, e, not np.isnan(e)
+        return s, f + late, e + late, not np.isnan(e)
 
     dec = [timing(f"d{i}") for i in range(len(decodes))]
     inj = [timing(f"i{k}") for k in range(len(injects))]

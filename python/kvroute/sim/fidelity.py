@@ -92,10 +92,13 @@ class B2Cell:
         return self.ttft_p90_overlap / self.ttft_p90_clean
 
 
-def _drive(
-    engines: list[EngineModel], arrivals: list[tuple[float, int, int, int | str, int, int]]
+def drive(
+    engines: list[EngineModel],
+    arrivals: list[tuple[float, int, int, int | str, int, int]],
+    block_size: int = 512,
 ) -> dict[Any, list[float]]:
-    """Submit ``(t, engine, _, id, input, output)`` arrivals in time order; returns
+    """Submit ``(t, engine, order, id, input, output)`` arrivals by ``(t, order)``, each
+    with keys of its own (``block_size`` tokens a key: nothing is cached); returns
     ``id -> [send, first_token, finish]``."""
     times: dict[Any, list[float]] = {}
     rng = np.random.default_rng(7)
@@ -110,7 +113,7 @@ def _drive(
 
     for t, eng, _, rid, n_in, n_out in sorted(arrivals, key=lambda a: (a[0], a[2])):
         collect(t)
-        keys = rng.integers(0, 2**63, size=-(-n_in // 512), dtype=np.uint64)
+        keys = rng.integers(0, 2**63, size=-(-n_in // block_size), dtype=np.uint64)
         engines[eng].submit(rid, keys, n_in, n_out, t)
         times[rid] = [t, np.nan, np.nan]
     while True:
@@ -148,7 +151,7 @@ def b2_microbench(
             inj = [f"inj{k}" for k in range(injections)]
             target = 0 if variant == "same" else 1
             arr += [(interval * (k + 1), target, 0, rid, size, 1) for k, rid in enumerate(inj)]
-            times = _drive(engines, arr)
+            times = drive(engines, arr)
             windows = [(times[r][0], times[r][2]) for r in inj]
             d = np.array([times[i] for i in range(n_dec)])
             send, first, fin = d[:, 0], d[:, 1], d[:, 2]
