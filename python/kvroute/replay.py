@@ -34,7 +34,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,13 +355,18 @@ class Replayer:
         return conform_records(table)
 
 
-def replay(trace: pa.Table, config: ReplayConfig) -> pa.Table:
-    """Replay ``trace`` (canonical format) as ``config`` says; blocks until done."""
+def replay(
+    trace: pa.Table, config: ReplayConfig, on_done: Callable[[], None] | None = None
+) -> pa.Table:
+    """Replay ``trace`` (canonical format) as ``config`` says; blocks until done.
+    ``on_done()`` is called as each request ends (instead of the progress bar)."""
     from kvroute.proxy.serving import new_event_loop
 
     replayer = Replayer(trace, config)
     progress = None
-    if config.progress:
+    if on_done is not None:
+        replayer.on_done = on_done
+    elif config.progress:
         from rich.console import Console
         from rich.progress import Progress
 

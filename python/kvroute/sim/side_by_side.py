@@ -17,7 +17,6 @@ Blocking; runs its own event loops (one proxy thread, one replay loop); not thre
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.request
@@ -103,8 +102,7 @@ def run_real(
     """One arm against the engines: a proxy with ``policy`` in front of ``urls``, caches
     reset, the trace replayed; the records."""
     from kvroute.proxy import Proxy, ProxyConfig, ServerThread
-    from kvroute.proxy.serving import new_event_loop
-    from kvroute.replay import ReplayConfig, Replayer
+    from kvroute.replay import ReplayConfig, replay
 
     config = ProxyConfig(
         backends=list(urls),
@@ -118,7 +116,7 @@ def run_real(
     thread = ServerThread()
     try:
         url = thread.start(Proxy(config))
-        replay = ReplayConfig(
+        replay_config = ReplayConfig(
             url=url,
             mode=mode,
             model=model,
@@ -126,11 +124,7 @@ def run_real(
             reset_cache=True,
             request_timeout_s=request_timeout_s,
         )
-        replayer = Replayer(trace, replay)
-        if on_done is not None:
-            replayer.on_done = on_done
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            return runner.run(replayer.run())
+        return replay(trace, replay_config, on_done)
     finally:
         thread.close()
 
