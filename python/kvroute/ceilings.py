@@ -12,6 +12,7 @@ memory O(requests + nodes new to their session + keys); stateless and thread-saf
 
 from __future__ import annotations
 
+import glob
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvroute import _core, args
+from kvroute.distributed import check_executor
 from kvroute.errors import InvalidArgumentError, KvrouteError, KvrouteTypeError
 from kvroute.files import read_parquet, read_parquet_schema
 from kvroute.schema import block_size_of
@@ -111,6 +113,10 @@ def _load(trace: Any, need: Sequence[str]) -> tuple[Any, int | None, str]:
     """The object to hand to Rust, the block size its metadata records, and a name."""
     from kvroute.trace import KEYS_KEY, read_trace
 
+    if isinstance(trace, list | tuple) or (
+        isinstance(trace, str | Path) and (Path(trace).is_dir() or glob.has_magic(str(trace)))
+    ):
+        return _load_files(trace, need)
     if isinstance(trace, str | Path):
         if trace == "":
             raise InvalidArgumentError("trace path is empty")
@@ -135,6 +141,23 @@ def _load(trace: Any, need: Sequence[str]) -> tuple[Any, int | None, str]:
     raise KvrouteTypeError(
         f"trace must be a path, a pyarrow Table or a polars DataFrame, got {type(trace).__name__}"
     )
+
+
+def _load_files(source: Any, need: Sequence[str]) -> tuple[pa.Table, int | None, str]:
+    """A trace given as several Parquet files (a folder, a glob, a list), in name order."""
+    from kvroute.sharded import check_files, trace_files
+
+    files = trace_files(source)
+    recorded = check_files(files, COLUMNS)
+    tables = []
+    for f in files:
+        names = read_parquet_schema(f).names
+        tables.append(read_parquet(f, columns=[c for c in need if c in names]))
+    try:
+        table = pa.concat_tables(tables)
+    except pa.ArrowInvalid as exc:
+        raise InvalidArgumentError(f"{source}: the files' columns differ: {exc}") from exc
+    return table, recorded, str(source)
 
 
 def _request_ids(data: Any) -> Any:
@@ -177,6 +200,16 @@ class _Bar:
             self.progress.stop()
 
 
+def _progress(
+    progress: bool | Callable[[int, int], object] | None,
+) -> tuple[_Bar | None, Callable[[int, int], object]]:
+    """The caller's callable, or a bar (on a terminal, or when asked for) and the bar."""
+    if callable(progress):
+        return None, progress
+    bar = _Bar(sys.stderr.isatty() if progress is None else bool(progress))
+    return bar, bar
+
+
 def ceilings(
     trace: Any,
     *,
@@ -185,8 +218,13 @@ def ceilings(
     capacities: Sequence[int] | None = None,
     per_request: bool = False,
     progress: bool | Callable[[int, int], object] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
+    partitions: int | None = None,
 ) -> Ceilings:
-    """APC ceilings of ``trace`` (SEMANTICS §4).
+    """APC ceilings of ``trace`` (SEMANTICS §4). ``trace``: a path (one Parquet or other
+    trace file, a folder of Parquet files or a glob; the files in name order), a list of
+    Parquet files, a pyarrow Table or a polars DataFrame.
 
     ``block_size``: tokens per key (default: the trace's ``kvroute.block_size`` metadata,
     else 512). ``min_sessions``: sessions through a node for it to count as a shared prefix.
@@ -194,7 +232,26 @@ def ceilings(
     ``per_request``: also return every request's matched key counts as an Arrow table.
     ``progress``: ``None`` shows a bar on a terminal after two seconds, ``True`` always does,
     ``False`` never; a callable gets ``(done, total)`` about every 100 ms.
+    ``executor="ray"``: the trace's Parquet files are partitioned by first key and computed
+    as Ray tasks (:mod:`kvroute.sharded`; on the cluster at ``ray_address``, the one this
+    process joined, or a local one) into ``partitions`` parts (default: twice the files);
+    the same integers as a local run. Not with ``capacities`` (one LRU shared by all
+    requests does not partition) or ``per_request``; ``progress`` counts tasks done.
     """
+    check_executor(executor, ray_address)
+    if executor == "ray":
+        return _on_ray(
+            trace,
+            block_size,
+            min_sessions,
+            capacities,
+            per_request,
+            progress,
+            ray_address,
+            partitions,
+        )
+    if partitions is not None:
+        raise InvalidArgumentError("partitions is only read with executor='ray'")
     per_request = args.flag(per_request, "per_request")
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
         raise KvrouteTypeError(
@@ -209,13 +266,7 @@ def ceilings(
     caps = [_positive_int(c, f"capacities[{i}]") for i, c in enumerate(capacities or ())]
     # Give back what pyarrow's allocator kept from reading the trace before Rust allocates.
     pa.default_memory_pool().release_unused()
-    if callable(progress):
-        bar: _Bar | None = None
-        callback: Callable[[int, int], object] = progress
-    else:
-        enabled = sys.stderr.isatty() if progress is None else bool(progress)
-        bar = _Bar(enabled)
-        callback = bar
+    bar, callback = _progress(progress)
     try:
         raw = _core.ceilings(
             data,
@@ -243,16 +294,62 @@ def ceilings(
         for point, col in zip(raw["capacity"], per["capacity"], strict=True):
             cols[f"capacity_{point['capacity']}"] = col
         table = pa.table(cols)
+    return _result(raw, bs, ms, table)
+
+
+def _result(raw: Any, block_size: int, min_sessions: int, per: pa.Table | None) -> Ceilings:
     return Ceilings(
         any=Variant(**raw["any"]),
         intra=Variant(**raw["intra"]),
         shared=Variant(**raw["shared"]),
         capacity=tuple(CapacityPoint(**c) for c in raw["capacity"]),
         reuse=Reuse(**raw["reuse"]),
-        block_size=bs,
-        min_sessions=ms,
-        per_request=table,
+        block_size=block_size,
+        min_sessions=min_sessions,
+        per_request=per,
     )
+
+
+def _on_ray(
+    trace: Any,
+    block_size: int | None,
+    min_sessions: int,
+    capacities: Sequence[int] | None,
+    per_request: bool,
+    progress: bool | Callable[[int, int], object] | None,
+    address: str | None,
+    partitions: int | None,
+) -> Ceilings:
+    from kvroute.sharded import ceilings_on_ray
+
+    if not isinstance(trace, str | Path | list | tuple):
+        raise KvrouteTypeError(
+            "with executor='ray' the trace must be Parquet files (a path, a folder, a glob or "
+            f"a list), got {type(trace).__name__}"
+        )
+    if capacities:
+        raise InvalidArgumentError(
+            "capacities need executor='local': the capacity curve is one LRU cache shared by "
+            "every request, which does not partition (docs/ceilings.md)"
+        )
+    if args.flag(per_request, "per_request"):
+        raise InvalidArgumentError("per_request needs executor='local'")
+    bs = _positive_int(block_size, "block_size") if block_size is not None else None
+    ms = _positive_int(min_sessions, "min_sessions")
+    bar, callback = _progress(progress)
+    try:
+        raw, stats = ceilings_on_ray(
+            trace,
+            block_size=bs,
+            min_sessions=ms,
+            partitions=partitions,
+            address=address,
+            progress=lambda _stage, done, total: callback(done, total),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    return _result(raw, stats["block_size"], ms, None)
 
 
 __all__ = ["CapacityPoint", "Ceilings", "Reuse", "Variant", "ceilings"]

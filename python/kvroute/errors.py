@@ -45,6 +45,11 @@ class NoInstanceAvailableError(KvrouteError, RuntimeError):
     """Every instance is marked down or none was added."""
 
 
+class MissingExtraError(KvrouteError, ImportError):
+    """An optional dependency that is not installed; the message names the extra that
+    brings it (e.g. ``pip install 'kvroute[ray]'``)."""
+
+
 class DebugBuildWarning(RuntimeWarning):
     """The native extension is a debug build: fine for tests, wrong for measurements."""
 
@@ -56,6 +61,7 @@ __all__ = [
     "InvalidArgumentError",
     "KvrouteError",
     "KvrouteTypeError",
+    "MissingExtraError",
     "NoInstanceAvailableError",
     "OutputExistsError",
     "UnknownInstanceError",

@@ -55,7 +55,7 @@ def _table(result: Ceilings, name: str) -> Table:
 
 
 @click.command("ceilings")
-@click.argument("trace", type=click.Path(exists=True, path_type=Path))
+@click.argument("trace")
 @click.option(
     "--min-sessions",
     type=click.IntRange(min=1),
@@ -74,21 +74,53 @@ def _table(result: Ceilings, name: str) -> Table:
     default=None,
     help="Tokens per key (default: the trace's metadata, else 512).",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="This machine, or Ray tasks over the trace's Parquet files partitioned by first key.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Ray cluster to join (e.g. auto, ray://HOST:10001; default: a local one).",
+)
+@click.option(
+    "--partitions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Partitions of the trace with --executor ray [default: twice the files].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @output_option("-o", "--output", default=None, help="Also write the JSON object to this file.")
 def ceilings(
-    trace: Path,
+    trace: str,
     min_sessions: int,
     capacity: str | None,
     block_size: int | None,
+    executor: str,
+    ray_address: str | None,
+    partitions: int | None,
     as_json: bool,
     output: Path | None,
     force: bool,
 ) -> None:
-    """APC ceilings of TRACE: any-session, intra-session, shared-prefix, LRU capacities."""
+    """APC ceilings of TRACE: any-session, intra-session, shared-prefix, LRU capacities.
+
+    TRACE is a trace file, or a folder or glob of Parquet files (a sharded trace, read in
+    name order)."""
     caps = _capacities(capacity)
+    if executor != "ray" and (ray_address is not None or partitions is not None):
+        raise click.UsageError("--ray-address and --partitions need --executor ray")
     result = compute_ceilings(
-        trace, block_size=block_size, min_sessions=min_sessions, capacities=caps
+        trace,
+        block_size=block_size,
+        min_sessions=min_sessions,
+        capacities=caps,
+        executor=executor,
+        ray_address=ray_address,
+        partitions=partitions,
     )
     if output is not None:
         write_text(output, json.dumps(result.to_dict(), indent=2) + "\n", force=force)
@@ -96,7 +128,7 @@ def ceilings(
         click.echo(json.dumps(result.to_dict()))
         return
     console = Console()
-    console.print(_table(result, trace.name))
+    console.print(_table(result, Path(trace).name))
     r = result.reuse
     hits = max(r.intra + r.cross + r.shared, 1)
     console.print(

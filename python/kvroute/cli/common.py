@@ -118,10 +118,11 @@ force_option = click.option(
 
 def output_option(*decls: str, folder: bool = False, **attrs: Any) -> Callable[[F], F]:
     """An output option (a file, or a ``folder``) and ``--force``: an existing file, or a
-    non-empty folder, is refused before any input is read, unless ``--force``."""
+    non-empty folder, is refused before any input is read, unless ``--force`` (or an eager
+    ``--resume`` of the command, which writes into its earlier output)."""
 
     def refuse(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
-        force = bool(ctx.params.get("force"))
+        force = bool(ctx.params.get("force")) or bool(ctx.params.get("resume"))
         (check_out_dir if folder else check_out_file)(value, force)
         return value
 

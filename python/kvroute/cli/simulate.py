@@ -9,9 +9,11 @@ writes records, time series and summaries.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -193,6 +195,24 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     default=None,
     help="Write results here (a new or empty folder).",
 )
+@click.option(
+    "--resume",
+    is_flag=True,
+    is_eager=True,
+    help="Keep the runs an interrupted sweep already wrote into --out; run the rest.",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where runs execute: this machine's cores, or as Ray tasks (pip install 'kvroute[ray]').",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Ray cluster to join (e.g. auto, ray://HOST:10001; default: a local one).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def simulate(
     trace_path: Path,
@@ -216,9 +236,14 @@ def simulate(
     rate_tol: float,
     out_dir: Path | None,
     force: bool,
+    resume: bool,
+    executor: str,
+    ray_address: str | None,
     as_json: bool,
 ) -> None:
     """Replay TRACE through simulated vLLM engines behind the kvroute Router."""
+    if ray_address is not None and executor != "ray":
+        raise click.UsageError("--ray-address needs --executor ray")
     from kvroute import sim
     from kvroute.sim.profile import load_profile
 
@@ -235,9 +260,15 @@ def simulate(
         router_cache=cache,
         cap_turns=cap_turns,
         infer_sessions=infer_sessions,
+        executor=executor,
+        ray_address=ray_address,
     )
     started = time.perf_counter()
     names = sim.resolve_policies(_split(policies) or ["unified"])
+    if resume and (out_dir is None or sustainable):
+        raise click.UsageError(
+            "--resume needs --out (the folder of a sweep), not --sustainable-rate"
+        )
     if sustainable:
         _sustainable(
             trace_path,
@@ -254,24 +285,28 @@ def simulate(
         return
     if "poisson" in mode_list and not rates:
         raise click.UsageError("--mode poisson needs --rate")
-    results = sim.sweep(
-        trace_path,
-        policies=names,
-        modes=mode_list,
-        seeds=seeds,
-        rates=list(rates) or None,
-        grid=grid,
-        sample_interval=sample_interval,
-        **common,
-    )
+    specs = sim.sweep_specs(names, mode_list, seeds, list(rates) or None, grid)
+    single = len(specs) == 1
+    with _progress(out_dir, specs, resume, enabled=not single and sys.stderr.isatty()) as bar:
+        results = sim.sweep(
+            trace_path,
+            policies=names,
+            modes=mode_list,
+            seeds=seeds,
+            rates=list(rates) or None,
+            grid=grid,
+            sample_interval=sample_interval,
+            # A sweep writes each run as it arrives; a single run is written into --out itself.
+            out=None if single else out_dir,
+            resume=resume,
+            on_result=bar,
+            **common,
+        )
     elapsed = time.perf_counter() - started
-    single = len(results) == 1
     if out_dir is not None:
         if single:
             results[0].write(out_dir)
         else:
-            for r in results:
-                r.write(out_dir / r.spec.label)
             doc = {"trace": str(trace_path), "wall_s": elapsed, "runs": [_row(r) for r in results]}
             write_text(out_dir / "sweep.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
     if as_json:
@@ -288,6 +323,33 @@ def simulate(
     console.print(_table(results, f"{trace_path.name}: {n} requests, {instances} x {preset}"))
     events = sum(int(r.stats["events"]) for r in results)
     console.print(f"[dim]{len(results)} run(s), {events} events, {elapsed:.2f} s[/dim]")
+
+
+@contextlib.contextmanager
+def _progress(
+    out_dir: Path | None, specs: list[sim.RunSpec], resume: bool, *, enabled: bool
+) -> Iterator[Callable[[object], None]]:
+    """A callback that advances a progress bar of the sweep's runs on stderr (the runs
+    ``--resume`` keeps count as done from the start)."""
+    if not enabled:
+        yield lambda _: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    kept = sum(
+        resume and out_dir is not None and (out_dir / s.label / "summary.json").is_file()
+        for s in specs
+    )
+    with Progress(
+        "runs",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
+        task = progress.add_task("runs", total=len(specs), completed=kept)
+        yield lambda _: progress.advance(task)
 
 
 def _sustainable(

@@ -20,8 +20,10 @@ the study's published tables).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,9 @@ from typing import Any
 import pyarrow as pa
 
 from kvroute import _core, args
+from kvroute.distributed import check_executor, connected
 from kvroute.errors import InvalidArgumentError, UnknownPolicyError
-from kvroute.sim.run import RunSpec, SimResult, execute
+from kvroute.sim.run import RunSpec, SimResult, execute, run_meta
 from kvroute.trace import read_trace
 from kvroute.trace_ops import cap_sessions
 
@@ -176,13 +179,16 @@ def simulate(
     closed_form: bool = True,
     cap_turns: int = 8,
     infer_sessions: bool = False,
+    executor: str = "local",
+    ray_address: str | None = None,
     **params: float,
 ) -> SimResult:
     """One run. ``trace``: any :func:`kvroute.trace.read_trace` source. ``mode``: tracets,
     thinktime or poisson (with ``rate`` sessions/s). ``engine``: parameter overrides of the
     preset (``kvroute.sim.engine_params()`` lists them). ``router_cache``: the router's
     cache model size in keys per instance (``"engine"``: the engine's KV pool; None:
-    unbounded). ``params``: policy parameters (e.g. ``overload_factor=1.3``)."""
+    unbounded). ``executor``, ``ray_address``: as :func:`sweep`. ``params``: policy
+    parameters (e.g. ``overload_factor=1.3``)."""
     args.text(policy, "policy")
     args.text(mode, "mode")
     if rate is not None:
@@ -205,6 +211,8 @@ def simulate(
         closed_form=closed_form,
         cap_turns=cap_turns,
         infer_sessions=infer_sessions,
+        executor=executor,
+        ray_address=ray_address,
     )[0]
 
 
@@ -260,9 +268,23 @@ def sweep(
     closed_form: bool = True,
     cap_turns: int = 8,
     infer_sessions: bool = False,
+    executor: str = "local",
+    ray_address: str | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    on_result: Callable[[SimResult], object] | None = None,
 ) -> list[SimResult]:
     """Every combination of ``policies`` x ``modes`` x ``seeds`` (x ``rates`` for poisson,
-    x ``grid`` values for the policies that read them), run in parallel."""
+    x ``grid`` values for the policies that read them), run in parallel: on this machine's
+    cores (``executor="local"``) or as Ray tasks (``"ray"``, on the cluster at
+    ``ray_address`` or the one this process joined, else a local one; the same results,
+    bit for bit). ``out``: each run is written to ``out/<label>/`` as it arrives.
+    ``resume``: runs already written there by the same configuration are read back instead
+    of run again. ``on_result`` gets each new result as it arrives. Results in sweep order."""
+    check_executor(executor, ray_address)
+    args.flag(resume, "resume")
+    if resume and out is None:
+        raise InvalidArgumentError("resume needs out (the folder of an earlier sweep)")
     names = resolve_policies(policies)
     specs = sweep_specs(names, modes, seeds, rates, grid)
     s = _setup(
@@ -277,7 +299,45 @@ def sweep(
         infer_sessions=infer_sessions,
         need_capped="capped" in names,
     )
-    return execute(_traces(s), [_job(s, spec) for spec in specs], s.base)
+    jobs = [_job(s, spec) for spec in specs]
+    folder = Path(out) if out is not None else None
+    done = _written(folder, jobs, s.base) if folder is not None and resume else {}
+
+    def arrived(result: SimResult) -> None:
+        if folder is not None:
+            result.write(folder / result.spec.label)
+        if on_result is not None:
+            on_result(result)
+
+    todo = [job for job in jobs if job[1].label not in done]
+    new = execute(
+        _traces(s), todo, s.base, executor=executor, ray_address=ray_address, on_result=arrived
+    )
+    fresh = {r.spec.label: r for r in new}
+    return [done.get(spec.label) or fresh[spec.label] for spec in specs]
+
+
+def _written(
+    folder: Path, jobs: list[tuple[int, RunSpec, dict[str, Any]]], base: dict[str, Any]
+) -> dict[str, SimResult]:
+    """The runs of ``jobs`` that an earlier sweep wrote completely into ``folder``; a run
+    written by another configuration is an error, not a silent mix."""
+    done = {}
+    for _, spec, cfg in jobs:
+        run_dir = folder / spec.label
+        if not (run_dir / "summary.json").is_file():
+            continue
+        result = SimResult.read(run_dir)
+        want = json.loads(json.dumps(run_meta(base, spec, cfg)))
+        for key in sorted(set(want) | set(result.run)):
+            if want.get(key) != result.run.get(key):
+                raise InvalidArgumentError(
+                    f"{run_dir}: written by another configuration ({key}: "
+                    f"{result.run.get(key)!r} there, {want.get(key)!r} now); resume only the "
+                    "same sweep, or write to another folder"
+                )
+        done[spec.label] = result
+    return done
 
 
 @dataclass
@@ -308,12 +368,16 @@ def sustainable_rate(
     cap_turns: int = 8,
     infer_sessions: bool = False,
     params: Mapping[str, float] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> list[RateResult]:
     """Per policy, the highest Poisson session rate whose TTFT p90 and TPOT p90 (seconds)
     stay within the SLOs: bracketed by doubling/halving from ``start`` (default: the trace's
     own session rate), then bisected until ``upper / rate - 1 <= rel_tol``. Each round runs
-    every policy's probe in parallel. ``params``: policy parameters (e.g. unified's
-    ``overload_factor``), given to the policies that read them."""
+    every policy's probe in parallel (as Ray tasks with ``executor="ray"``, as in
+    :func:`sweep`). ``params``: policy parameters (e.g. unified's ``overload_factor``),
+    given to the policies that read them."""
+    check_executor(executor, ray_address)
     names = resolve_policies(policies)
     args.number(slo_ttft_p90, "slo_ttft_p90", 0.0, above=True)
     args.number(slo_tpot_p90, "slo_tpot_p90", 0.0, above=True)
@@ -342,26 +406,30 @@ def sustainable_rate(
         start = sessions / max(float(ts.max() - ts.min()), 1.0)
     state = {p: RateResult(p, 0.0, None) for p in names}
     probe = dict.fromkeys(names, float(start))
-    for _ in range(max_rounds):
-        todo = [p for p in names if probe[p] > 0]
-        if not todo:
-            break
-        specs = [RunSpec(p, "poisson", probe[p], seed, _own(p, params)) for p in todo]
-        for spec, res in zip(
-            specs, execute(_traces(s), [_job(s, sp) for sp in specs], s.base), strict=True
-        ):
-            p, rate = spec.policy, float(spec.rate or 0.0)
-            ttft, tpot = res.summary["ttft"]["p90"], res.summary["tpot"]["p90"]
-            ok = (
-                ttft is not None and ttft <= slo_ttft_p90 and (tpot is None or tpot <= slo_tpot_p90)
-            )
-            st = state[p]
-            st.probes.append((rate, ttft, tpot, ok))
-            if ok:
-                st.rate = max(st.rate, rate)
-            else:
-                st.upper = rate if st.upper is None else min(st.upper, rate)
-            probe[p] = _next_probe(st, rel_tol, float(start))
+    # One cluster for every round (a local one starts once, not once per round).
+    with connected(ray_address) if executor == "ray" else contextlib.nullcontext():
+        for _ in range(max_rounds):
+            todo = [p for p in names if probe[p] > 0]
+            if not todo:
+                break
+            specs = [RunSpec(p, "poisson", probe[p], seed, _own(p, params)) for p in todo]
+            jobs = [_job(s, sp) for sp in specs]
+            ran = execute(_traces(s), jobs, s.base, executor=executor, ray_address=ray_address)
+            for spec, res in zip(specs, ran, strict=True):
+                p, rate = spec.policy, float(spec.rate or 0.0)
+                ttft, tpot = res.summary["ttft"]["p90"], res.summary["tpot"]["p90"]
+                ok = (
+                    ttft is not None
+                    and ttft <= slo_ttft_p90
+                    and (tpot is None or tpot <= slo_tpot_p90)
+                )
+                st = state[p]
+                st.probes.append((rate, ttft, tpot, ok))
+                if ok:
+                    st.rate = max(st.rate, rate)
+                else:
+                    st.upper = rate if st.upper is None else min(st.upper, rate)
+                probe[p] = _next_probe(st, rel_tol, float(start))
     return [state[p] for p in names]
 
 

@@ -10,6 +10,7 @@ keys); stateless and thread-safe.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvroute import _core
-from kvroute.errors import InvalidArgumentError
-from kvroute.files import write_parquet, write_text
+from kvroute.errors import CorruptFileError, InvalidArgumentError
+from kvroute.files import read_parquet, write_parquet, write_text
 from kvroute.metrics import summarize
 from kvroute.records import record_schema, write_records
 from kvroute.schema import block_size_of
@@ -80,6 +81,21 @@ class SimResult:
         doc = {"run": self.run, "summary": self.summary, "stats": self.stats}
         write_text(out / "summary.json", json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return out
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> SimResult:
+        """A result :meth:`write` wrote (``summary.json`` is written last: a folder without
+        it is an interrupted write)."""
+        folder = Path(run_dir)
+        try:
+            doc = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+            run = doc["run"]
+            spec = RunSpec(run["policy"], run["mode"], run["rate"], run["seed"], run["params"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptFileError(f"{folder / 'summary.json'}: not a run summary ({exc})") from exc
+        records = read_parquet(folder / "records.parquet")
+        series = read_parquet(folder / "instances.parquet")
+        return cls(spec, records, series, doc["summary"], doc["stats"], run)
 
 
 def trace_columns(table: pa.Table) -> dict[str, Any]:
@@ -172,30 +188,71 @@ def series_table(raw: dict[str, Any], total_blocks: int) -> pa.Table:
     )
 
 
+def run_meta(base: dict[str, Any], spec: RunSpec, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``run`` metadata of a result: what a run was, as written in its summary."""
+    return {
+        **base,
+        **asdict(spec),
+        "source": "sim",
+        "instances": cfg["instances"],
+        "preset": cfg["preset"],
+        "engine": cfg.get("engine") or {},
+        "router_cache": cfg["router_cache"],
+        "sample_interval": cfg["sample_interval"],
+    }
+
+
+def _result(
+    table: pa.Table, spec: RunSpec, cfg: dict[str, Any], raw: dict[str, Any], run: dict[str, Any]
+) -> SimResult:
+    stats = dict(raw["stats"])
+    records = records_table(table, raw, run)
+    summary = summarize(records, cfg["instances"])
+    series = series_table(raw, int(stats["kv_total_blocks"]))
+    return SimResult(spec, records, series, summary, stats, run)
+
+
+def _simulate_one(cols: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """One run, as a Ray task: the trace's columns come from the object store."""
+    return dict(_core.simulate_runs([cols], [cfg])[0])
+
+
 def execute(
-    traces: list[pa.Table], jobs: list[tuple[int, RunSpec, dict[str, Any]]], base: dict[str, Any]
+    traces: list[pa.Table],
+    jobs: list[tuple[int, RunSpec, dict[str, Any]]],
+    base: dict[str, Any],
+    *,
+    executor: str = "local",
+    ray_address: str | None = None,
+    on_result: Callable[[SimResult], object] | None = None,
 ) -> list[SimResult]:
-    """Run ``jobs`` (trace index, spec, native config) in parallel; results in order."""
+    """Run ``jobs`` (trace index, spec, native config); results in order. ``local``: one
+    call into the core, which runs them on every core; ``ray``: each trace's columns go to
+    the object store once and each job is a task, its result handed to ``on_result`` as it
+    arrives (locally, all arrive at the end)."""
+    if not jobs:
+        return []
     cols = [trace_columns(t) for t in traces]
-    raws = _core.simulate_runs(cols, [cfg for _, _, cfg in jobs])
-    results = []
-    for (ti, spec, cfg), raw in zip(jobs, raws, strict=True):
-        run = {
-            **base,
-            **asdict(spec),
-            "source": "sim",
-            "instances": cfg["instances"],
-            "preset": cfg["preset"],
-            "engine": cfg.get("engine") or {},
-            "router_cache": cfg["router_cache"],
-            "sample_interval": cfg["sample_interval"],
-        }
-        stats = dict(raw["stats"])
-        records = records_table(traces[ti], raw, run)
-        summary = summarize(records, cfg["instances"])
-        results.append(
-            SimResult(
-                spec, records, series_table(raw, int(stats["kv_total_blocks"])), summary, stats, run
-            )
-        )
-    return results
+    if executor == "local":
+        raws = _core.simulate_runs(cols, [cfg for _, _, cfg in jobs])
+        results = []
+        for (ti, spec, cfg), raw in zip(jobs, raws, strict=True):
+            results.append(_result(traces[ti], spec, cfg, raw, run_meta(base, spec, cfg)))
+            if on_result is not None:
+                on_result(results[-1])
+        return results
+    from kvroute.distributed import completed, connected
+
+    out: list[SimResult | None] = [None] * len(jobs)
+    with connected(ray_address) as ray:
+        task = ray.remote(num_cpus=1)(_simulate_one)
+        refs = [ray.put(c) for c in cols]
+        # Each task gets its own trace only, as trace 0.
+        pending = [task.remote(refs[ti], {**cfg, "trace": 0}) for ti, _, cfg in jobs]
+        for i, raw in completed(ray, pending):
+            ti, spec, cfg = jobs[i]
+            result = _result(traces[ti], spec, cfg, raw, run_meta(base, spec, cfg))
+            out[i] = result
+            if on_result is not None:
+                on_result(result)
+    return [r for r in out if r is not None]
