@@ -127,9 +127,10 @@ def split(table: pa.Table, partitions: int) -> list[pa.Table]:
 
 def partition_ceilings(pieces: Sequence[pa.Table], block_size: int, min_sessions: int) -> Any:
     """The core's ceilings of one partition (its pieces in trace order), or None if empty."""
-    table = pa.concat_tables([p for p in pieces if p.num_rows])
-    if table.num_rows == 0:
+    full = [p for p in pieces if p.num_rows]
+    if not full:
         return None
+    table = pa.concat_tables(full)
     return _core.ceilings(table, block_size=block_size, min_sessions=min_sessions)
 
 
@@ -154,7 +155,14 @@ def merge(parts: Sequence[Any], total_requests: int = 0) -> dict[str, Any]:
 
 
 def _peak_rss() -> int:
-    """This process's peak resident memory in bytes (Linux reports KiB)."""
+    """This process's peak resident memory in bytes: ``VmHWM`` where Linux has it (its
+    ``ru_maxrss`` survives ``execve``, so a new worker would report its parent's peak)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
@@ -181,11 +189,13 @@ def ceilings_on_ray(
     partitions: int | None = None,
     address: str | None = None,
     progress: Callable[[str, int, int], object] | None = None,
+    task_memory: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ceilings of a (sharded) Parquet trace on Ray, and how the run went: files,
     partitions, requests, and the largest peak memory of a split and of a partition task.
     ``partitions``: default twice the number of files. ``progress`` gets ``(stage, done,
-    total)`` per task completed."""
+    total)`` per task completed. ``task_memory``: bytes each task reserves (Ray's ``memory``
+    resource: Ray runs no more tasks at once than the nodes' memory holds)."""
     from kvroute.distributed import completed, connected
 
     files = trace_files(source)
@@ -198,8 +208,11 @@ def ceilings_on_ray(
         else 2 * len(files)
     )
     with connected(address) as ray:
-        mapper = ray.remote(num_cpus=1, num_returns=n + 1)(_split_file)
-        reducer = ray.remote(num_cpus=1)(_reduce)
+        opts: dict[str, Any] = {"num_cpus": 1}
+        if task_memory is not None:
+            opts["memory"] = args.integer(task_memory, "task_memory", 1)
+        mapper = ray.remote(num_returns=n + 1, **opts)(_split_file)
+        reducer = ray.remote(**opts)(_reduce)
         splits = [mapper.remote(str(f), columns, n) for f in files]
         # Column p of the splits is partition p's pieces, in file order.
         reduces = [reducer.remote(bs, min_sessions, *(s[p] for s in splits)) for p in range(n)]

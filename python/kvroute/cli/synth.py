@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from kvroute.cli.common import output_option
+from kvroute.cli.common import force_option
 from kvroute.synth import PROFILES, synthesize
 
 
@@ -32,11 +32,20 @@ from kvroute.synth import PROFILES, synthesize
     help="Scale the profile to N requests, sessions in proportion (default: its own size).",
 )
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=42, show_default=True)
-@output_option(
+@force_option
+@click.option(
     "-o",
     "--output",
     required=True,
-    help="Parquet file to write (canonical trace format, zstd; refused if it exists).",
+    type=click.Path(path_type=Path),
+    help="Parquet file to write, or the folder for --shards (canonical format, zstd; an "
+    "existing one is refused).",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(1, 100_000),
+    default=None,
+    help="Write a folder of N Parquet files of consecutive requests instead of one file.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the achieved statistics as JSON.")
 @click.option(
@@ -50,6 +59,7 @@ def synth(
     seed: int,
     output: Path,
     force: bool,
+    shards: int | None,
     as_json: bool,
     progress: bool | None,
 ) -> None:
@@ -59,9 +69,12 @@ def synth(
     kvroute trace synth --profile agentic-glm --seed 42 -o glm.parquet   # 2.11M requests
     kvroute trace synth --profile w600 -o w600.parquet                   # 1214 requests
     kvroute trace synth --requests 20000 -o small.parquet                # scaled down
+    kvroute trace synth --requests 21100000 --shards 32 -o glm10x/        # 10x, sharded
     """
     show = sys.stderr.isatty() if progress is None else progress
-    stats = synthesize(profile, output, requests=requests, seed=seed, progress=show, force=force)
+    stats = synthesize(
+        profile, output, requests=requests, seed=seed, progress=show, force=force, shards=shards
+    )
     if as_json:
         click.echo(json.dumps(stats.to_dict(), sort_keys=True))
         return

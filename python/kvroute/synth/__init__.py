@@ -48,11 +48,12 @@ The pieces: :mod:`~kvroute.synth.profiles` (parameters and targets),
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 from kvroute import args
-from kvroute.errors import InvalidArgumentError
+from kvroute.errors import InvalidArgumentError, OutputExistsError
 from kvroute.files import atomic_output, check_output
 from kvroute.synth.plan import build_plan
 from kvroute.synth.profiles import BLOCK_SIZE, KV_BYTES_PER_TOKEN, PROFILES, Profile, Target
@@ -78,13 +79,17 @@ def synthesize(
     seed: int = 42,
     progress: bool = False,
     force: bool = True,
+    shards: int | None = None,
 ) -> SynthStats:
     """Write a synthetic trace of ``profile`` (a key of :data:`PROFILES`) to ``path``
     (canonical Parquet) and return what it achieved next to the profile's targets.
 
     ``requests`` scales the profile (sessions in proportion; default: the profile's own
     size). The same arguments always produce a byte-identical file, written atomically
-    (:mod:`kvroute.files`; ``force=False`` refuses an existing one)."""
+    (:mod:`kvroute.files`; ``force=False`` refuses an existing one). ``shards``: ``path``
+    is a folder, and the trace is written into it as ``part-00000.parquet``... of
+    consecutive requests, straight from the generator (a folder with other shards is
+    refused, or with ``force`` has them replaced)."""
     if args.text(profile, "profile") not in PROFILES:
         raise InvalidArgumentError(
             f"unknown synth profile {profile!r}; profiles: {', '.join(PROFILES)}"
@@ -94,8 +99,10 @@ def synthesize(
     seed = args.integer(seed, "seed", 0, 2**63 - 1)
     args.flag(progress, "progress")
     args.flag(force, "force")
+    if shards is not None:
+        shards = args.integer(shards, "shards", 1, 100_000)
     started = time.perf_counter()
-    out = check_output(path, force=force)
+    out, files = _outputs(Path(path), shards, force)
     bar = progress_bar(p.name) if progress else None
     try:
         if bar:
@@ -104,12 +111,29 @@ def synthesize(
         plan, per_prefix = build_plan(p, n_req, seed)
         if bar:
             bar.update(planning, total=1, completed=1)
-        with atomic_output(out, force=force) as tmp:
-            write_trace(plan, tmp, n_req, bar)
+        with contextlib.ExitStack() as stack:
+            tmps = [stack.enter_context(atomic_output(f, force=force)) for f in files]
+            write_trace(plan, tmps, n_req, bar)
     finally:
         if bar:
             bar.stop()
     stats = plan_stats(plan, per_prefix, n_req, out)
     stats.elapsed_s = time.perf_counter() - started
-    stats.file_bytes = out.stat().st_size
+    stats.file_bytes = sum(f.stat().st_size for f in files)
     return stats
+
+
+def _outputs(path: Path, shards: int | None, force: bool) -> tuple[Path, list[Path]]:
+    """The output and its files; a sharded trace's stale shards go only with ``force``."""
+    if shards is None:
+        return check_output(path, force=force), [path]
+    if path.exists() and not path.is_dir():
+        raise OutputExistsError(f"{path} exists and is not a folder")
+    files = [path / f"part-{i:05d}.parquet" for i in range(shards)]
+    old = sorted(path.glob("part-*.parquet")) if path.is_dir() else []
+    if old and not force:
+        raise OutputExistsError(f"{path} already holds shards ({old[0].name}, ...); pass force")
+    for f in old:
+        if f not in files:
+            f.unlink()
+    return path, files

@@ -1,6 +1,7 @@
 """Pass 2's output: the requests in timestamp order, in chunks of about :data:`CHUNK_KEYS`
 keys, each chunk's keys computed and appended to the Parquet file as one row group (the
-keys are never all in memory), and the optional progress bar.
+keys are never all in memory), and the optional progress bar. A sharded trace is the same
+rows cut into files of consecutive requests (no chunk crosses a cut).
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ MAX_CHUNK_ROWS = 262_144
 SYNTH_META_KEY = b"kvroute.synth"
 
 
-def _chunks(plan: Plan) -> list[tuple[int, int]]:
+def _chunks(plan: Plan, start: int, stop: int) -> list[tuple[int, int]]:
+    """Row ranges of about :data:`CHUNK_KEYS` keys covering rows ``[start, stop)``."""
     nk = (plan.inp[plan.order] + BLOCK_SIZE - 1) // BLOCK_SIZE
     cum = np.cumsum(nk)
-    bounds = [0]
-    n = len(nk)
-    while bounds[-1] < n:
+    bounds = [start]
+    while bounds[-1] < stop:
         a = bounds[-1]
         base = int(cum[a - 1]) if a else 0
         b = int(np.searchsorted(cum, base + CHUNK_KEYS, side="right"))
-        bounds.append(min(max(b, a + 1), a + MAX_CHUNK_ROWS, n))
+        bounds.append(min(max(b, a + 1), a + MAX_CHUNK_ROWS, stop))
     return list(itertools.pairwise(bounds))
 
 
@@ -63,55 +64,62 @@ def progress_bar(name: str) -> Any:
     )
 
 
-def write_trace(plan: Plan, path: Path, n_req_arg: int, bar: Any) -> None:
+def write_trace(plan: Plan, paths: list[Path], n_req_arg: int, bar: Any) -> None:
+    """Write the trace into ``paths``: one file, or shards of consecutive requests (shard
+    ``i`` holds rows ``[i n / N, (i+1) n / N)``; its metadata says which shard it is)."""
     p = plan.profile
     schema = trace_schema(ttp=True, type_column=True, block_size=BLOCK_SIZE)
-    meta = dict(schema.metadata or {})
-    meta[SYNTH_META_KEY] = json.dumps(
-        {
-            "profile": p.name,
-            "seed": plan.seed,
-            "requests": n_req_arg,
-            "sessions": len(plan.turns),
-            "duration_s": p.duration_s,
-            "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
-        },
-        sort_keys=True,
-    ).encode()
-    assert meta[BLOCK_SIZE_KEY] == str(BLOCK_SIZE).encode()
-    schema = schema.with_metadata(meta)
+    info = {
+        "profile": p.name,
+        "seed": plan.seed,
+        "requests": n_req_arg,
+        "sessions": len(plan.turns),
+        "duration_s": p.duration_s,
+        "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+    }
+    assert (schema.metadata or {})[BLOCK_SIZE_KEY] == str(BLOCK_SIZE).encode()
     salt = key_salt(plan.seed)
     task = bar.add_task("keys + Parquet (requests)", total=len(plan.inp)) if bar else None
-    with pq.ParquetWriter(
-        path,
-        schema,
-        compression="zstd",
-        compression_level=3,
-        # Keys are random 64-bit values, but a chunk repeats many of them (a session's
-        # turns); large pages let zstd find the repeats (about -40% vs. dictionaries).
-        use_dictionary=["session_id", "turn", "type"],
-        data_page_size=8 << 20,
-        write_statistics=["request_id", "timestamp", "session_id", "turn"],
-        write_page_checksum=True,
-    ) as writer:
-        for a, b in _chunks(plan):
-            rows = plan.order[a:b]
-            offsets, keys = chunk_keys(plan, rows, salt)
-            turn = plan.turn[rows]
-            batch = pa.Table.from_arrays(
-                [
-                    pa.array(np.arange(a, b, dtype=np.int64)),
-                    pa.array(plan.ts[rows]),
-                    pa.array(plan.sid[plan.sess[rows]]),
-                    pa.array(turn.astype(np.int32)),
-                    pa.array(plan.inp[rows]),
-                    pa.array(plan.out[rows]),
-                    pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(keys)),
-                    pa.array(plan.ttp[rows], pa.float64(), mask=turn == 0),
-                    pa.array(_TYPES[plan.is_tool[rows].astype(np.int64)], pa.string()),
-                ],
-                schema=schema,
-            )
-            writer.write_table(batch, row_group_size=b - a)
-            if bar:
-                bar.update(task, advance=b - a)
+    n, shards = len(plan.inp), len(paths)
+    for i, path in enumerate(paths):
+        meta = dict(schema.metadata or {})
+        shard = {"shard": i, "shards": shards} if shards > 1 else {}
+        meta[SYNTH_META_KEY] = json.dumps({**info, **shard}, sort_keys=True).encode()
+        shard_schema = schema.with_metadata(meta)
+        with pq.ParquetWriter(
+            path,
+            shard_schema,
+            compression="zstd",
+            compression_level=3,
+            # Keys are random 64-bit values, but a chunk repeats many of them (a session's
+            # turns); large pages let zstd find the repeats (about -40% vs. dictionaries).
+            use_dictionary=["session_id", "turn", "type"],
+            data_page_size=8 << 20,
+            write_statistics=["request_id", "timestamp", "session_id", "turn"],
+            write_page_checksum=True,
+        ) as writer:
+            for a, b in _chunks(plan, i * n // shards, (i + 1) * n // shards):
+                writer.write_table(_batch(plan, a, b, salt, shard_schema), row_group_size=b - a)
+                if bar:
+                    bar.update(task, advance=b - a)
+
+
+def _batch(plan: Plan, a: int, b: int, salt: np.uint64, schema: pa.Schema) -> pa.Table:
+    """Requests ``[a, b)`` (timestamp order) with their keys."""
+    rows = plan.order[a:b]
+    offsets, keys = chunk_keys(plan, rows, salt)
+    turn = plan.turn[rows]
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.arange(a, b, dtype=np.int64)),
+            pa.array(plan.ts[rows]),
+            pa.array(plan.sid[plan.sess[rows]]),
+            pa.array(turn.astype(np.int32)),
+            pa.array(plan.inp[rows]),
+            pa.array(plan.out[rows]),
+            pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(keys)),
+            pa.array(plan.ttp[rows], pa.float64(), mask=turn == 0),
+            pa.array(_TYPES[plan.is_tool[rows].astype(np.int64)], pa.string()),
+        ],
+        schema=schema,
+    )
