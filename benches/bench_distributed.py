@@ -192,7 +192,7 @@ def main() -> None:
 
 def report(r: dict[str, Any]) -> None:
     print(
-        f"  peak per worker: split {r['split_peak_rss'] / GIB:.2f} GiB, partition "
+        f"  peak private memory per task: split {r['split_peak_rss'] / GIB:.2f} GiB, partition "
         f"{r['partition_peak_rss'] / GIB:.2f} GiB; driver {r['driver_peak_gib']:.2f} GiB; "
         f"machine in use {r['machine_peak_gib']:.1f} GiB",
         flush=True,

@@ -24,7 +24,7 @@ large: the partitions balance only as well as the first keys do.
 from __future__ import annotations
 
 import glob
-import resource
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,9 @@ def partition_of(table: pa.Table, partitions: int) -> np.ndarray:
 
 
 def split(table: pa.Table, partitions: int) -> list[pa.Table]:
-    """``table``'s rows by :func:`partition_of`, each partition in the table's row order."""
+    """``table``'s rows by :func:`partition_of`, each partition in the table's row order
+    (one copy of the rows: ``take`` on a table of many chunks would combine them per call)."""
+    table = table.combine_chunks()
     part = partition_of(table, partitions)
     order = np.argsort(part, kind="stable")
     bounds = np.searchsorted(part[order], np.arange(partitions + 1))
@@ -154,31 +156,65 @@ def merge(parts: Sequence[Any], total_requests: int = 0) -> dict[str, Any]:
     return out
 
 
-def _peak_rss() -> int:
-    """This process's peak resident memory in bytes: ``VmHWM`` where Linux has it (its
-    ``ru_maxrss`` survives ``execve``, so a new worker would report its parent's peak)."""
+def _private_rss() -> int:
+    """This process's private resident memory in bytes (``RssAnon``; 0 where Linux's
+    ``/proc`` is missing)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return 0
+
+
+class _PrivatePeak:
+    """The peak of :func:`_private_rss` while a task runs, sampled every 10 ms. Not
+    ``VmHWM``: that also counts the object-store pages a reused worker has touched (shared
+    memory, within the store's own budget) and a worker's earlier tasks."""
+
+    def __init__(self) -> None:
+        self.value = _private_rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.value = max(self.value, _private_rss())
+
+    def __enter__(self) -> _PrivatePeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.value = max(self.value, _private_rss())
+
+
+def _read_split(path: str, columns: list[str], partitions: int) -> list[pa.Table]:
+    names = read_parquet_schema(path).names
+    table = read_parquet(path, columns=[c for c in ("request_id", *REQUIRED) if c in names])
+    return split(conform(table, source=path).select(columns), partitions)
 
 
 def _split_file(path: str, columns: list[str], partitions: int) -> list[Any]:
     """Ray task: one file's rows checked as :func:`kvroute.trace.read_trace` checks them
-    (errors name the file, row and field), its pieces, then its row count and the worker's
-    peak memory."""
-    names = read_parquet_schema(path).names
-    table = read_parquet(path, columns=[c for c in ("request_id", *REQUIRED) if c in names])
-    table = conform(table, source=path).select(columns)
-    return [*split(table, partitions), (table.num_rows, _peak_rss())]
+    (errors name the file, row and field), its pieces, then its row count and the task's
+    peak private memory. What the file's table took goes back to the OS before the pieces
+    leave (workers are reused)."""
+    with _PrivatePeak() as peak:
+        pieces = _read_split(path, columns, partitions)
+        pa.default_memory_pool().release_unused()
+    return [*pieces, (sum(p.num_rows for p in pieces), peak.value)]
 
 
 def _reduce(block_size: int, min_sessions: int, *pieces: pa.Table) -> tuple[Any, int]:
-    """Ray task: one partition's ceilings and the worker's peak memory."""
-    return partition_ceilings(pieces, block_size, min_sessions), _peak_rss()
+    """Ray task: one partition's ceilings and the task's peak private memory."""
+    with _PrivatePeak() as peak:
+        raw = partition_ceilings(pieces, block_size, min_sessions)
+        pa.default_memory_pool().release_unused()
+    return raw, peak.value
 
 
 def ceilings_on_ray(
@@ -192,7 +228,8 @@ def ceilings_on_ray(
     task_memory: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ceilings of a (sharded) Parquet trace on Ray, and how the run went: files,
-    partitions, requests, and the largest peak memory of a split and of a partition task.
+    partitions, requests, and the largest peak private memory of a split and of a partition
+    task (``split_peak_rss``, ``partition_peak_rss``, bytes).
     ``partitions``: default twice the number of files. ``progress`` gets ``(stage, done,
     total)`` per task completed. ``task_memory``: bytes each task reserves (Ray's ``memory``
     resource: Ray runs no more tasks at once than the nodes' memory holds)."""
