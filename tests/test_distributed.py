@@ -102,7 +102,7 @@ def test_sharded_trace_errors(tmp_path: Path) -> None:
     pq.write_table(table.slice(0, 5).set_column(2, "session_id", pa.array(["x"] * 5)), b)
     with pytest.raises(InvalidArgumentError, match=rf"{b}: column 'session_id' is string"):
         kvroute.ceilings(tmp_path / "mixed")
-    with pytest.raises(InvalidArgumentError, match="partitions is only read with executor='ray'"):
+    with pytest.raises(InvalidArgumentError, match="partitions and task_memory are only read"):
         kvroute.ceilings(a, partitions=4)
     with pytest.raises(InvalidArgumentError, match="executor"):
         kvroute.ceilings(a, executor="dask")

@@ -158,3 +158,13 @@ def test_cli_on_ray(tmp_path: Path, synthetic: Path) -> None:
     assert [r["summary"] for r in runs[0]] == [r["summary"] for r in runs[1]]
     bad = CliRunner().invoke(main, ["ceilings", str(folder), "--partitions", "3"])
     assert bad.exit_code == 2 and "--executor ray" in bad.output
+
+
+def test_task_memory_is_a_reservation(tmp_path: Path, synthetic: Path) -> None:
+    folder = tmp_path / "shards"
+    shards_of(pq.read_table(synthetic), folder, 2)
+    got = kvroute.ceilings(folder, executor="ray", task_memory=1 << 30)
+    assert got == kvroute.ceilings(synthetic)
+    # More than any node has: an error now, not a task that waits for ever.
+    with pytest.raises(InvalidArgumentError, match=r"task_memory=.* more than any node"):
+        kvroute.ceilings(folder, executor="ray", task_memory=1 << 39)

@@ -221,6 +221,7 @@ def ceilings(
     executor: str = "local",
     ray_address: str | None = None,
     partitions: int | None = None,
+    task_memory: int | None = None,
 ) -> Ceilings:
     """APC ceilings of ``trace`` (SEMANTICS §4). ``trace``: a path (one Parquet or other
     trace file, a folder of Parquet files or a glob; the files in name order), a list of
@@ -234,9 +235,10 @@ def ceilings(
     ``False`` never; a callable gets ``(done, total)`` about every 100 ms.
     ``executor="ray"``: the trace's Parquet files are partitioned by first key and computed
     as Ray tasks (:mod:`kvroute.sharded`; on the cluster at ``ray_address``, the one this
-    process joined, or a local one) into ``partitions`` parts (default: twice the files);
-    the same integers as a local run. Not with ``capacities`` (one LRU shared by all
-    requests does not partition) or ``per_request``; ``progress`` counts tasks done.
+    process joined, or a local one) into ``partitions`` parts (default: twice the files),
+    each task within ``task_memory`` bytes if given; the same integers as a local run. Not
+    with ``capacities`` (one LRU shared by all requests does not partition) or
+    ``per_request``; ``progress`` counts tasks done.
     """
     check_executor(executor, ray_address)
     if executor == "ray":
@@ -247,11 +249,12 @@ def ceilings(
             capacities,
             per_request,
             progress,
-            ray_address,
-            partitions,
+            address=ray_address,
+            partitions=partitions,
+            task_memory=task_memory,
         )
-    if partitions is not None:
-        raise InvalidArgumentError("partitions is only read with executor='ray'")
+    if partitions is not None or task_memory is not None:
+        raise InvalidArgumentError("partitions and task_memory are only read with executor='ray'")
     per_request = args.flag(per_request, "per_request")
     if not (progress is None or isinstance(progress, bool) or callable(progress)):
         raise KvrouteTypeError(
@@ -317,9 +320,9 @@ def _on_ray(
     capacities: Sequence[int] | None,
     per_request: bool,
     progress: bool | Callable[[int, int], object] | None,
-    address: str | None,
-    partitions: int | None,
+    **ray: Any,
 ) -> Ceilings:
+    """:func:`ceilings` on Ray; ``ray``: :func:`kvroute.sharded.ceilings_on_ray`'s options."""
     from kvroute.sharded import ceilings_on_ray
 
     if not isinstance(trace, str | Path | list | tuple):
@@ -342,9 +345,8 @@ def _on_ray(
             trace,
             block_size=bs,
             min_sessions=ms,
-            partitions=partitions,
-            address=address,
             progress=lambda _stage, done, total: callback(done, total),
+            **ray,
         )
     finally:
         if bar is not None:

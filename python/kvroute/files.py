@@ -100,16 +100,22 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int, force: bool = True) -> 
 def read_parquet(path: str | Path, columns: list[str] | None = None) -> pa.Table:
     """Read a Parquet file, verifying page checksums; a damaged or non-Parquet file is a
     :class:`CorruptFileError` naming it."""
-    try:
+    with _parquet_errors(path):
         return pq.read_table(path, columns=columns, page_checksum_verification=True)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise CorruptFileError(f"{path}: not a readable Parquet file: {_first_line(exc)}") from exc
 
 
 def read_parquet_schema(path: str | Path) -> pa.Schema:
     """The schema of a Parquet file (:class:`CorruptFileError` when it has none)."""
-    try:
+    with _parquet_errors(path):
         return pq.read_schema(path)
+
+
+@contextlib.contextmanager
+def _parquet_errors(path: str | Path) -> Iterator[None]:
+    try:
+        yield
+    except MemoryError:
+        raise  # out of memory (pyarrow's is also an ArrowException): not a damaged file
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise CorruptFileError(f"{path}: not a readable Parquet file: {_first_line(exc)}") from exc
 

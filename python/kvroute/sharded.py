@@ -23,9 +23,10 @@ large: the partitions balance only as well as the first keys do.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,20 @@ class _PrivatePeak:
         self.value = max(self.value, _private_rss())
 
 
+@contextlib.contextmanager
+def _task(what: str) -> Iterator[_PrivatePeak]:
+    """A task's body: its peak private memory sampled, running out of memory said as such,
+    and what its tables took given back to the OS at its end (workers are reused)."""
+    with _PrivatePeak() as peak:
+        try:
+            yield peak
+        except MemoryError as exc:
+            raise MemoryError(
+                f"{what}: out of memory ({exc}); give tasks more, or cut the trace finer"
+            ) from None
+        pa.default_memory_pool().release_unused()
+
+
 def _read_split(path: str, columns: list[str], partitions: int) -> list[pa.Table]:
     names = read_parquet_schema(path).names
     table = read_parquet(path, columns=[c for c in ("request_id", *REQUIRED) if c in names])
@@ -201,20 +216,30 @@ def _read_split(path: str, columns: list[str], partitions: int) -> list[pa.Table
 def _split_file(path: str, columns: list[str], partitions: int) -> list[Any]:
     """Ray task: one file's rows checked as :func:`kvroute.trace.read_trace` checks them
     (errors name the file, row and field), its pieces, then its row count and the task's
-    peak private memory. What the file's table took goes back to the OS before the pieces
-    leave (workers are reused)."""
-    with _PrivatePeak() as peak:
+    peak private memory."""
+    with _task(path) as peak:
         pieces = _read_split(path, columns, partitions)
-        pa.default_memory_pool().release_unused()
     return [*pieces, (sum(p.num_rows for p in pieces), peak.value)]
 
 
 def _reduce(block_size: int, min_sessions: int, *pieces: pa.Table) -> tuple[Any, int]:
     """Ray task: one partition's ceilings and the task's peak private memory."""
-    with _PrivatePeak() as peak:
+    with _task("a partition's ceilings") as peak:
         raw = partition_ceilings(pieces, block_size, min_sessions)
-        pa.default_memory_pool().release_unused()
     return raw, peak.value
+
+
+def _reservation(ray: Any, task_memory: int) -> int:
+    """``task_memory`` if one node could hold it (Ray would wait for ever for a task no node
+    can take)."""
+    task_memory = args.integer(task_memory, "task_memory", 1 << 20)
+    nodes = [n.get("Resources", {}).get("memory", 0) for n in ray.nodes() if n.get("Alive")]
+    if task_memory > max(nodes, default=0):
+        raise InvalidArgumentError(
+            f"task_memory={task_memory / 2**30:.2f} GiB is more than any node of the cluster "
+            f"offers ({max(nodes, default=0) / 2**30:.2f} GiB)"
+        )
+    return task_memory
 
 
 def ceilings_on_ray(
@@ -232,7 +257,8 @@ def ceilings_on_ray(
     task (``split_peak_rss``, ``partition_peak_rss``, bytes).
     ``partitions``: default twice the number of files. ``progress`` gets ``(stage, done,
     total)`` per task completed. ``task_memory``: bytes each task reserves (Ray's ``memory``
-    resource: Ray runs no more tasks at once than the nodes' memory holds)."""
+    resource: Ray runs no more tasks at once than the nodes' memory holds; a reservation,
+    not a limit the kernel enforces)."""
     from kvroute.distributed import completed, connected
 
     files = trace_files(source)
@@ -247,24 +273,34 @@ def ceilings_on_ray(
     with connected(address) as ray:
         opts: dict[str, Any] = {"num_cpus": 1}
         if task_memory is not None:
-            opts["memory"] = args.integer(task_memory, "task_memory", 1)
+            opts["memory"] = _reservation(ray, task_memory)
         mapper = ray.remote(num_returns=n + 1, **opts)(_split_file)
         reducer = ray.remote(**opts)(_reduce)
         splits = [mapper.remote(str(f), columns, n) for f in files]
         # Column p of the splits is partition p's pieces, in file order.
         reduces = [reducer.remote(bs, min_sessions, *(s[p] for s in splits)) for p in range(n)]
-        rows, split_peak = 0, 0
-        for done, (_, (count, peak)) in enumerate(completed(ray, [s[n] for s in splits]), 1):
-            rows += count
-            split_peak = max(split_peak, peak)
-            if progress is not None:
-                progress("split", done, len(files))
-        parts, reduce_peak = [], 0
-        for done, (_, (raw, peak)) in enumerate(completed(ray, reduces), 1):
-            parts.append(raw)
-            reduce_peak = max(reduce_peak, peak)
-            if progress is not None:
-                progress("partitions", done, n)
+        try:
+            rows, split_peak = 0, 0
+            for done, (_, (count, peak)) in enumerate(completed(ray, [s[n] for s in splits]), 1):
+                rows += count
+                split_peak = max(split_peak, peak)
+                if progress is not None:
+                    progress("split", done, len(files))
+            parts, reduce_peak = [], 0
+            for done, (_, (raw, peak)) in enumerate(completed(ray, reduces), 1):
+                parts.append(raw)
+                reduce_peak = max(reduce_peak, peak)
+                if progress is not None:
+                    progress("partitions", done, n)
+        except BaseException as exc:
+            for ref in reduces:  # those still waiting for a split that failed
+                ray.cancel(ref)
+            if isinstance(exc, ray.exceptions.WorkerCrashedError):
+                cap = "" if task_memory is None else f" (over its {task_memory / 2**30:.2f} GiB?)"
+                raise RuntimeError(
+                    f"{source}: a Ray worker died running a task{cap}: {exc}"
+                ) from None
+            raise
     stats = {
         "files": len(files),
         "partitions": n,

@@ -92,6 +92,12 @@ def _table(result: Ceilings, name: str) -> Table:
     default=None,
     help="Partitions of the trace with --executor ray [default: twice the files].",
 )
+@click.option(
+    "--task-memory",
+    type=click.FloatRange(min=0.001),
+    default=None,
+    help="GiB each task reserves with --executor ray (Ray schedules by it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @output_option("-o", "--output", default=None, help="Also write the JSON object to this file.")
 def ceilings(
@@ -102,6 +108,7 @@ def ceilings(
     executor: str,
     ray_address: str | None,
     partitions: int | None,
+    task_memory: float | None,
     as_json: bool,
     output: Path | None,
     force: bool,
@@ -111,8 +118,8 @@ def ceilings(
     TRACE is a trace file, or a folder or glob of Parquet files (a sharded trace, read in
     name order)."""
     caps = _capacities(capacity)
-    if executor != "ray" and (ray_address is not None or partitions is not None):
-        raise click.UsageError("--ray-address and --partitions need --executor ray")
+    if executor != "ray" and (ray_address or partitions or task_memory):
+        raise click.UsageError("--ray-address, --partitions and --task-memory need --executor ray")
     result = compute_ceilings(
         trace,
         block_size=block_size,
@@ -121,6 +128,7 @@ def ceilings(
         executor=executor,
         ray_address=ray_address,
         partitions=partitions,
+        task_memory=None if task_memory is None else int(task_memory * 2**30),
     )
     if output is not None:
         write_text(output, json.dumps(result.to_dict(), indent=2) + "\n", force=force)
