@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvroute import _core, args
-from kvroute.errors import InvalidArgumentError
+from kvroute.errors import InvalidArgumentError, KvrouteTypeError
 from kvroute.files import read_parquet, read_parquet_schema
 from kvroute.schema import BLOCK_SIZE_KEY, REQUIRED, conform
 
@@ -62,7 +62,13 @@ def trace_files(source: str | Path | Sequence[str | Path]) -> list[Path]:
         else:
             files, what = [path], ""
     else:
-        files, what = [Path(p) for p in args.sequence(source, "trace")], "trace: an empty list"
+        files, what = [], "trace: an empty list"
+        for i, p in enumerate(args.sequence(source, "trace")):
+            if not isinstance(p, str | Path):
+                raise KvrouteTypeError(f"trace[{i}] must be a path, got {type(p).__name__}")
+            if str(p) == "":
+                raise InvalidArgumentError(f"trace[{i}] is an empty path")
+            files.append(Path(p))
     if not files:
         raise InvalidArgumentError(what)
     for f in files:

@@ -102,7 +102,7 @@ def synthesize(
     if shards is not None:
         shards = args.integer(shards, "shards", 1, 100_000)
     started = time.perf_counter()
-    out, files = _outputs(Path(path), shards, force)
+    out, files = _outputs(path, shards, force)
     bar = progress_bar(p.name) if progress else None
     try:
         if bar:
@@ -123,10 +123,15 @@ def synthesize(
     return stats
 
 
-def _outputs(path: Path, shards: int | None, force: bool) -> tuple[Path, list[Path]]:
+def _outputs(path: str | Path, shards: int | None, force: bool) -> tuple[Path, list[Path]]:
     """The output and its files; a sharded trace's stale shards go only with ``force``."""
     if shards is None:
-        return check_output(path, force=force), [path]
+        out = check_output(path, force=force)
+        return out, [out]
+    text = args.text(str(path) if isinstance(path, Path) else path, "path")
+    if not text:
+        raise InvalidArgumentError("path is empty")
+    path = Path(text)
     if path.exists() and not path.is_dir():
         raise OutputExistsError(f"{path} exists and is not a folder")
     files = [path / f"part-{i:05d}.parquet" for i in range(shards)]
