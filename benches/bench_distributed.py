@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,29 +57,13 @@ def sharded_trace(requests: int, shards: int) -> tuple[Path, dict[str, Any]]:
     return folder, doc
 
 
-class MachineMemory:
-    """The machine's peak memory in use (MemTotal - MemAvailable) while it runs."""
-
-    def __init__(self) -> None:
-        self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            info = {}
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                name, value = line.split(":", 1)
-                info[name] = int(value.split()[0]) * 1024
-            self.peak = max(self.peak, (info["MemTotal"] - info["MemAvailable"]) / GIB)
-
-    def __enter__(self) -> MachineMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+def machine_in_use_gib() -> float:
+    """The machine's memory in use: MemTotal - MemAvailable."""
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        info[name] = int(value.split()[0]) * 1024
+    return (info["MemTotal"] - info["MemAvailable"]) / GIB
 
 
 def on_ray(folder: Path, partitions: int, task_memory_gib: float) -> dict[str, Any]:
@@ -88,13 +71,13 @@ def on_ray(folder: Path, partitions: int, task_memory_gib: float) -> dict[str, A
     import ray
 
     import kvroute
-    from kvroute.sharded import ceilings_on_ray
+    from kvroute.sharded import PeakSampler, ceilings_on_ray
 
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     started = time.perf_counter()
     try:
-        with MachineMemory() as machine:
+        with PeakSampler(machine_in_use_gib, 0.2) as machine:
             raw, stats = ceilings_on_ray(
                 folder,
                 block_size=None,
@@ -109,37 +92,41 @@ def on_ray(folder: Path, partitions: int, task_memory_gib: float) -> dict[str, A
         **stats,
         "init_s": started - t0,
         "wall_s": time.perf_counter() - started,
-        "machine_peak_gib": machine.peak,
+        "machine_peak_gib": machine.value,
         "driver_peak_gib": peak_rss_gib(),
         **{v: raw[v] for v in ("any", "intra", "shared", "reuse")},
     }
 
 
+def in_fresh_process(code: str) -> dict[str, Any]:
+    """Run ``code`` (which prints one JSON object last) in a new interpreter beside this file."""
+    prelude = (
+        "import json, sys, time, warnings; warnings.simplefilter('ignore');"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + code], check=True, capture_output=True, text=True
+    )
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def ray_in_subprocess(folder: Path, partitions: int, task_memory_gib: float) -> dict[str, Any]:
-    code = (
-        "import json, sys, warnings; warnings.simplefilter('ignore');"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r});"
-        "import bench_distributed as b; from pathlib import Path;"
+    return in_fresh_process(
+        "import bench_distributed as b\n"
         f"print(json.dumps(b.on_ray(Path({str(folder)!r}), {partitions}, {task_memory_gib})))"
     )
-    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def local_in_subprocess(path: Path) -> dict[str, Any]:
     """The single-process run (read + ceilings, best of three) and the exact integers."""
-    code = (
-        "import json, sys, time, warnings; warnings.simplefilter('ignore');"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r});"
-        "import kvroute, bench_ceilings as b; from pathlib import Path;"
+    return in_fresh_process(
+        "import kvroute, bench_ceilings as b\n"
         f"p = Path({str(path)!r}); best = None\n"
         "for _ in range(3):\n"
         "    t0 = time.perf_counter(); r = kvroute.ceilings(p, progress=False)\n"
         "    best = min(best or 1e9, time.perf_counter() - t0)\n"
         "print(json.dumps({'wall_s': best, 'peak_gib': b.peak_rss_gib(), **r.to_dict()}))"
     )
-    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:

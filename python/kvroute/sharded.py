@@ -175,35 +175,37 @@ def _private_rss() -> int:
     return 0
 
 
-class _PrivatePeak:
-    """The peak of :func:`_private_rss` while a task runs, sampled every 10 ms. Not
-    ``VmHWM``: that also counts the object-store pages a reused worker has touched (shared
-    memory, within the store's own budget) and a worker's earlier tasks."""
+class PeakSampler:
+    """The largest value of ``read()`` while a block runs, sampled every ``interval``
+    seconds on a thread of its own (and once at each end)."""
 
-    def __init__(self) -> None:
-        self.value = _private_rss()
+    def __init__(self, read: Callable[[], float], interval: float) -> None:
+        self.read, self.interval = read, interval
+        self.value = read()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        while not self._stop.wait(0.01):
-            self.value = max(self.value, _private_rss())
+        while not self._stop.wait(self.interval):
+            self.value = max(self.value, self.read())
 
-    def __enter__(self) -> _PrivatePeak:
+    def __enter__(self) -> PeakSampler:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.value = max(self.value, _private_rss())
+        self.value = max(self.value, self.read())
 
 
 @contextlib.contextmanager
-def _task(what: str) -> Iterator[_PrivatePeak]:
-    """A task's body: its peak private memory sampled, running out of memory said as such,
-    and what its tables took given back to the OS at its end (workers are reused)."""
-    with _PrivatePeak() as peak:
+def _task(what: str) -> Iterator[PeakSampler]:
+    """A task's body: its peak private memory sampled every 10 ms (not ``VmHWM``, which also
+    counts the object-store pages a reused worker has touched, and its earlier tasks),
+    running out of memory said as such, and what its tables took given back to the OS at
+    its end (workers are reused)."""
+    with PeakSampler(_private_rss, 0.01) as peak:
         try:
             yield peak
         except MemoryError as exc:
@@ -228,7 +230,7 @@ def _split_file(path: str, columns: list[str], partitions: int) -> list[Any]:
     return [*pieces, (sum(p.num_rows for p in pieces), peak.value)]
 
 
-def _reduce(block_size: int, min_sessions: int, *pieces: pa.Table) -> tuple[Any, int]:
+def _reduce(block_size: int, min_sessions: int, *pieces: pa.Table) -> tuple[Any, float]:
     """Ray task: one partition's ceilings and the task's peak private memory."""
     with _task("a partition's ceilings") as peak:
         raw = partition_ceilings(pieces, block_size, min_sessions)
@@ -318,4 +320,12 @@ def ceilings_on_ray(
     return merge(parts), stats
 
 
-__all__ = ["ceilings_on_ray", "check_files", "merge", "partition_of", "split", "trace_files"]
+__all__ = [
+    "PeakSampler",
+    "ceilings_on_ray",
+    "check_files",
+    "merge",
+    "partition_of",
+    "split",
+    "trace_files",
+]

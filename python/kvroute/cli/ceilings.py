@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvroute.ceilings import CapacityPoint, Ceilings, Variant
 from kvroute.ceilings import ceilings as compute_ceilings
-from kvroute.cli.common import output_option
+from kvroute.cli.common import executor_options, output_option
 from kvroute.files import write_text
 
 
@@ -74,18 +74,7 @@ def _table(result: Ceilings, name: str) -> Table:
     default=None,
     help="Tokens per key (default: the trace's metadata, else 512).",
 )
-@click.option(
-    "--executor",
-    type=click.Choice(["local", "ray"]),
-    default="local",
-    show_default=True,
-    help="This machine, or Ray tasks over the trace's Parquet files partitioned by first key.",
-)
-@click.option(
-    "--ray-address",
-    default=None,
-    help="Ray cluster to join (e.g. auto, ray://HOST:10001; default: a local one).",
-)
+@executor_options("Ray tasks over the Parquet files partitioned by first key")
 @click.option(
     "--partitions",
     type=click.IntRange(min=1),

@@ -150,6 +150,27 @@ def check_out_dir(path: Path | None, force: bool) -> None:
         raise OutputExistsError(f"{path} exists and is not empty; pass --force to write into it")
 
 
+def executor_options(ray_help: str) -> Callable[[F], F]:
+    """``--executor local|ray`` (``ray_help`` says what runs as Ray tasks) and
+    ``--ray-address``; a command refuses the address without ``--executor ray``."""
+
+    def decorate(f: F) -> F:
+        f = click.option(
+            "--ray-address",
+            default=None,
+            help="Ray cluster to join (e.g. auto, ray://HOST:10001; default: a local one).",
+        )(f)
+        return click.option(
+            "--executor",
+            type=click.Choice(["local", "ray"]),
+            default="local",
+            show_default=True,
+            help=f"Where it runs: this machine, or {ray_help} (pip install 'kvroute[ray]').",
+        )(f)
+
+    return decorate
+
+
 debug_option = click.option(
     "--debug", is_flag=True, help="Show the Python traceback of an error instead of one line."
 )

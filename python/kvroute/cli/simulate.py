@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute import _core
-from kvroute.cli.common import output_option
+from kvroute.cli.common import executor_options, output_option
 from kvroute.files import write_text
 
 if TYPE_CHECKING:
@@ -201,18 +201,7 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     is_eager=True,
     help="Keep the runs an interrupted sweep already wrote into --out; run the rest.",
 )
-@click.option(
-    "--executor",
-    type=click.Choice(["local", "ray"]),
-    default="local",
-    show_default=True,
-    help="Where runs execute: this machine's cores, or as Ray tasks (pip install 'kvroute[ray]').",
-)
-@click.option(
-    "--ray-address",
-    default=None,
-    help="Ray cluster to join (e.g. auto, ray://HOST:10001; default: a local one).",
-)
+@executor_options("each run as a Ray task")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def simulate(
     trace_path: Path,
