@@ -4,8 +4,11 @@ errors from tasks arrive as themselves. Every test is bounded in time (``ray_clu
 
 from __future__ import annotations
 
+import _thread
 import json
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +97,24 @@ def test_resumed_sweep_on_ray(tmp_path: Path) -> None:
     resumed = ks.sweep(MOONCAKE_SESSIONS, **SWEEP, out=out, resume=True, executor="ray")
     for a, b in zip(fresh, resumed, strict=True):
         same(a, b)
+
+
+@pytest.mark.usefixtures("default_sigint")
+def test_ctrl_c_while_tasks_run() -> None:
+    from kvroute.distributed import completed
+
+    def slow() -> int:
+        time.sleep(30)
+        return 1
+
+    task = ray.remote(slow).remote()
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        list(completed(ray, [task]))
+    assert time.monotonic() - started < 10
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(task, timeout=30)
 
 
 def test_task_errors_arrive_as_themselves(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from kvroute.errors import InvalidArgumentError, MissingExtraError
 #: ``local``: this machine's cores (the Rust core's thread pool); ``ray``: tasks on a Ray
 #: cluster.
 EXECUTORS = ("local", "ray")
+#: Seconds between the checks for signals while waiting for tasks.
+POLL_S = 0.2
 
 
 def check_executor(executor: str, ray_address: str | None = None) -> str:
@@ -63,12 +65,21 @@ def connected(address: str | None = None) -> Iterator[Any]:
 def completed(ray: Any, refs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
     """``(index, value)`` of each task in ``refs`` as it completes. A task's error is raised
     as itself (a :class:`~kvroute.errors.KvrouteError` stays one, without Ray's wrapper);
-    on an error or Ctrl-C the tasks still pending are cancelled."""
+    on an error or Ctrl-C the tasks still pending are cancelled. The wait comes back to
+    Python every :data:`POLL_S` seconds, so that Ctrl-C and other signals are handled while
+    tasks run (a wait without a timeout blocks them until a task ends)."""
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     try:
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                done, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
+            except SystemError as exc:
+                # A signal handler's exception (Ctrl-C, an alarm) raised inside Ray's wait
+                # comes out wrapped; raise it as itself.
+                if isinstance(exc.__cause__, BaseException):
+                    raise exc.__cause__ from None
+                raise
             for ref in done:
                 try:
                     value = ray.get(ref)

@@ -7,7 +7,8 @@ Router that runs live, under any policy, dispatch mode and seed (``docs/simulato
 >>> r.write("out/")                                      # records, instances, summary
 
 :func:`simulate` runs one configuration, :func:`sweep` many (policies x modes x seeds x
-parameter grids x rates, in parallel on every core), :func:`sustainable_rate` bisects the
+parameter grids x rates, in parallel on every core or as Ray tasks, written as they arrive
+and resumable), :func:`sustainable_rate` bisects the
 highest Poisson session rate that meets TTFT/TPOT p90 SLOs. ``capped`` is accepted as a
 policy: ``lmetric`` on the trace capped at ``cap_turns`` turns per session (semantics §3).
 The engine model runs in Rust without the GIL; Ctrl-C stops a run cleanly
