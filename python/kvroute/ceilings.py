@@ -26,7 +26,7 @@ import pyarrow as pa
 from kvroute import _core, args
 from kvroute.distributed import check_executor
 from kvroute.errors import InvalidArgumentError, KvrouteError, KvrouteTypeError
-from kvroute.files import read_parquet, read_parquet_schema
+from kvroute.files import read_parquet_present
 from kvroute.schema import block_size_of
 
 COLUMNS = ("timestamp", "session_id", "input_length", "hash_ids")
@@ -122,8 +122,7 @@ def _load(trace: Any, need: Sequence[str]) -> tuple[Any, int | None, str]:
             raise InvalidArgumentError("trace path is empty")
         path = Path(trace)
         if path.suffix.lower() in (".parquet", ".pq") and path.is_file():
-            names = read_parquet_schema(path).names
-            table = read_parquet(path, columns=[c for c in need if c in names])
+            table = read_parquet_present(path, list(need))
         else:
             table = read_trace(path)
         if (table.schema.metadata or {}).get(KEYS_KEY) == b"none":
@@ -149,12 +148,8 @@ def _load_files(source: Any, need: Sequence[str]) -> tuple[pa.Table, int | None,
 
     files = trace_files(source)
     recorded = check_files(files, COLUMNS)
-    tables = []
-    for f in files:
-        names = read_parquet_schema(f).names
-        tables.append(read_parquet(f, columns=[c for c in need if c in names]))
     try:
-        table = pa.concat_tables(tables)
+        table = pa.concat_tables([read_parquet_present(f, list(need)) for f in files])
     except pa.ArrowInvalid as exc:
         raise InvalidArgumentError(f"{source}: the files' columns differ: {exc}") from exc
     return table, recorded, str(source)
@@ -236,7 +231,7 @@ def ceilings(
     ``executor="ray"``: the trace's Parquet files are partitioned by first key and computed
     as Ray tasks (:mod:`kvroute.sharded`; on the cluster at ``ray_address``, the one this
     process joined, or a local one) into ``partitions`` parts (default: twice the files),
-    each task within ``task_memory`` bytes if given; the same integers as a local run. Not
+    each task reserving ``task_memory`` bytes if given; the same integers as a local run. Not
     with ``capacities`` (one LRU shared by all requests does not partition) or
     ``per_request``; ``progress`` counts tasks done.
     """

@@ -104,6 +104,13 @@ def read_parquet(path: str | Path, columns: list[str] | None = None) -> pa.Table
         return pq.read_table(path, columns=columns, page_checksum_verification=True)
 
 
+def read_parquet_present(path: str | Path, columns: list[str]) -> pa.Table:
+    """:func:`read_parquet` of those of ``columns`` the file has (the others are left to
+    the caller's checks, which name them)."""
+    names = read_parquet_schema(path).names
+    return read_parquet(path, columns=[c for c in columns if c in names])
+
+
 def read_parquet_schema(path: str | Path) -> pa.Schema:
     """The schema of a Parquet file (:class:`CorruptFileError` when it has none)."""
     with _parquet_errors(path):

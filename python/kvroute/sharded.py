@@ -9,7 +9,8 @@ with one key can be computed apart from all others, and the integers added up. T
 therefore partitioned by a hash of each request's first key (requests without keys go to
 partition 0), and each partition runs in the Rust core.
 
-On Ray: one task per Parquet file reads the columns the ceilings need and splits its rows
+On Ray: one task per Parquet file reads its canonical columns, checks them as
+:func:`kvroute.trace.read_trace` does, keeps those the ceilings need and splits its rows
 into the partitions (a shuffle through the object store, which spills to disk when the trace
 is larger than memory); one task per partition concatenates its pieces in file order (so
 requests with equal timestamps keep the trace's order, as SEMANTICS §4 asks) and computes
@@ -36,7 +37,7 @@ import pyarrow.compute as pc
 
 from kvroute import _core, args
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
-from kvroute.files import read_parquet, read_parquet_schema
+from kvroute.files import read_parquet_present, read_parquet_schema
 from kvroute.schema import BLOCK_SIZE_KEY, REQUIRED, conform
 
 VARIANTS = ("any", "intra", "shared")
@@ -216,8 +217,7 @@ def _task(what: str) -> Iterator[PeakSampler]:
 
 
 def _read_split(path: str, columns: list[str], partitions: int) -> list[pa.Table]:
-    names = read_parquet_schema(path).names
-    table = read_parquet(path, columns=[c for c in ("request_id", *REQUIRED) if c in names])
+    table = read_parquet_present(path, ["request_id", *REQUIRED])
     return split(conform(table, source=path).select(columns), partitions)
 
 
@@ -304,10 +304,7 @@ def ceilings_on_ray(
             for ref in reduces:  # those still waiting for a split that failed
                 ray.cancel(ref)
             if isinstance(exc, ray.exceptions.WorkerCrashedError):
-                cap = "" if task_memory is None else f" (over its {task_memory / 2**30:.2f} GiB?)"
-                raise RuntimeError(
-                    f"{source}: a Ray worker died running a task{cap}: {exc}"
-                ) from None
+                raise RuntimeError(f"{source}: a Ray worker died running a task: {exc}") from None
             raise
     stats = {
         "files": len(files),
