@@ -38,6 +38,18 @@ def test_interference_cells() -> None:
     # Decodes that arrive during a same-engine 16k prefill wait for it.
     assert same_big.ttft_index is not None and same_big.ttft_index > 3
 
+def test_a_repeated_run_sends_new_prompts() -> None:
+    """Run twice against one engine, the injections still prefill: the second run's prompts
+    are not the first's, which the engine's prefix cache would serve without prefill."""
+    with Stack(1, speedup=20.0) as s:
+        cfg = BenchConfig(
+            s.engine_urls[0], sizes=(16384,), variants=("same",), duration_s=1.0,
+            decode_rate=10.0, decode_tokens=8, injections=1,
+        )  # fmt: skip
+        first, again = run_interference(cfg)[0], run_interference(cfg)[0]
+    assert first.errors == again.errors == 0
+    assert again.injection_s[0] > 0.5 * first.injection_s[0], (first, again)
+
 
 def test_interference_cli(tmp_path: Path) -> None:
     with Stack(1, speedup=20.0) as s:

@@ -4,7 +4,10 @@ Per cell (variant x prefill size): a steady decode load of short prompts (``deco
 requests/s, ``decode_prompt`` tokens, ``decode_tokens`` output tokens) on the *decode*
 endpoint for ``duration_s``, and ``injections`` one-token prefills of ``size`` prompt tokens,
 evenly spaced, on the same endpoint (``same``) or on the *prefill* endpoint
-(``different``). Every prompt is made of fresh random token ids, so no prefix cache helps.
+(``different``). Every prompt is made of fresh random token ids, drawn from ``seed`` and a
+per-run random nonce, so no prefix cache helps, not even on an engine that ran the same cell
+before (with the seed alone, a repeated run's injections were prefix-cache hits that skipped
+their prefill and measured no interference).
 A decode request *overlaps* when an injection's ``[send, finish]`` intersects its decode
 window ``[first token, finish]`` (TPOT) or its TTFT window ``[send, first token]`` (TTFT);
 ``tpot_index`` = TPOT p90 of overlapping decodes / TPOT p90 of the others, ``ttft_index``
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -103,9 +107,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 async def _cell(
-    http: aiohttp.ClientSession, cfg: BenchConfig, model: str, variant: str, size: int
+    http: aiohttp.ClientSession,
+    cfg: BenchConfig,
+    model: str,
+    variant: str,
+    size: int,
+    nonce: int,
 ) -> Cell:
-    rng = np.random.default_rng([cfg.seed, size, VARIANTS.index(variant)])
+    rng = np.random.default_rng([cfg.seed, size, VARIANTS.index(variant), nonce])
 
     def prompt(n: int) -> list[int]:
         return [int(t) for t in rng.integers(256, cfg.vocab_size, n)]
@@ -208,11 +217,11 @@ async def _run(cfg: BenchConfig, on_cell: Any = None) -> list[Cell]:
         if model is None:
             async with http.get(_url(cfg.decode_url) + "/v1/models") as resp:
                 model = str((await resp.json())["data"][0]["id"])
-        cells = []
+        cells, nonce = [], secrets.randbits(64)
         variants = [v for v in cfg.variants if v == "same" or cfg.prefill_url]
         for variant in variants:
             for size in cfg.sizes:
-                cell = await _cell(http, cfg, model, variant, size)
+                cell = await _cell(http, cfg, model, variant, size, nonce)
                 cells.append(cell)
                 if on_cell is not None:
                     on_cell(cell)
