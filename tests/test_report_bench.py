@@ -38,6 +38,7 @@ def test_interference_cells() -> None:
     # Decodes that arrive during a same-engine 16k prefill wait for it.
     assert same_big.ttft_index is not None and same_big.ttft_index > 3
 
+
 def test_a_repeated_run_sends_new_prompts() -> None:
     """Run twice against one engine, the injections still prefill: the second run's prompts
     are not the first's, which the engine's prefix cache would serve without prefill."""
