@@ -66,9 +66,13 @@ def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture
 def engines(vllm_engines: Any) -> Iterator[Any]:
-    """The session's engines, reset to cold caches before the test."""
+    """The session's engines, reset to cold caches before the test (once they are idle: vLLM
+    answers a reset with 200 even when blocks still in use made it fail, and a request an
+    earlier test abandoned may still be running)."""
+    from kvroute.sim.side_by_side import wait_idle
     from livekit import http
 
+    wait_idle([e.url for e in vllm_engines])
     for e in vllm_engines:
         assert http("POST", e.url + "/reset_prefix_cache", b"")[0] == 200
     yield vllm_engines

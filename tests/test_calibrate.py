@@ -13,8 +13,16 @@ from click.testing import CliRunner
 
 import kvroute
 from kvroute.cli import main
-from kvroute.sim.calibrate import GRIDS, CalibrationError, calibrate
-from kvroute.sim.profile import COST_TERMS, FORMAT, fit, load_profile, make_profile, predict
+from kvroute.sim.calibrate import GRIDS, CalibrationError, Grid, _interleave, calibrate
+from kvroute.sim.profile import (
+    COST_TERMS,
+    FORMAT,
+    Point,
+    fit,
+    load_profile,
+    make_profile,
+    predict,
+)
 
 #: Terms of the size real vLLM on this CPU has (docs/simulator.md "Calibration").
 TRUE = {
@@ -85,6 +93,40 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     finally:
         stop(proc)
     assert 'block_size="32"' in metrics and 'num_gpu_blocks="8192"' in metrics
+
+
+def test_held_out_points_are_measured_between_the_fit_points() -> None:
+    """The held-out grid runs in the same pass as the fit, spread over it, so that a machine
+    slowing down during a run reaches both alike (it reached only the later held-out pass)."""
+    fit_points = [Point("prefill", 0.0, prefill_tokens=n) for n in range(1, 9)]
+    held = [Point("prefill", 0.0, prefill_tokens=100 + n) for n in range(4)]
+    order = _interleave([fit_points, held])
+    assert [k for k, _, _ in order] == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0]
+    assert [p for k, _, p in order if k == 0] == fit_points
+    assert [p for k, _, p in order if k == 1] == held
+    from livekit import spawn, stop
+
+    proc, url = spawn("engine", "--model", "m", "--set=kv_capacity_tokens=65536")
+    small = Grid(
+        prefill=(64, 256, 512, 1024),
+        cached=((512, 256),),
+        batches=(1, 4),
+        contexts=(64,),
+        mixed=(),
+        decode_tokens=8,
+        repeats=1,
+    )
+    other = replace(small, prefill=(128, 768), cached=(), batches=(2,))
+    seen: list[tuple[str, int, int]] = []
+    try:
+        doc = calibrate([url], grid=small, held_out=other, progress=lambda *a: seen.append(a))
+    finally:
+        stop(proc)
+    assert doc["held_out"]["error"]["all"]["points"] == 3
+    assert doc["fit"]["error"]["all"]["points"] == 7
+    stages = [stage for stage, done, _ in seen if done > 0]
+    # Both stages advance together: a held-out point is measured before the fit is done.
+    assert stages.index("held-out") < len(stages) - 1 - stages[::-1].index("fit")
 
 
 def test_calibrate_errors() -> None:

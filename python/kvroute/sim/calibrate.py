@@ -18,7 +18,9 @@ the monotonic clock when each chunk arrives. What a point measures:
   prefilled; the median.
 
 The grid's points are spread over the engines (each engine runs one point at a time; the
-fit assumes the engines are alike). O(grid tokens) of prompts; one asyncio loop.
+fit assumes the engines are alike). A held-out grid is measured in the same pass, its points
+interleaved with the fitted grid's, so that the machine's drift during a run reaches both.
+O(grid tokens) of prompts; one asyncio loop.
 """
 
 from __future__ import annotations
@@ -334,6 +336,68 @@ async def _measure_one(c: _Client, point: Point, grid: Grid) -> Point:
     return replace(point, seconds=statistics.median(tries), context=context, samples=len(tries))
 
 
+def _interleave(lists: Sequence[Sequence[Point]]) -> list[tuple[int, int, Point]]:
+    """The points of every list as (list, index, point), each list spread evenly over the
+    whole order, so slow drift of the machine reaches every list alike."""
+    tagged = [(j / len(ps), k, j, p) for k, ps in enumerate(lists) for j, p in enumerate(ps)]
+    return [(k, j, p) for _, k, j, p in sorted(tagged, key=lambda t: t[:3])]
+
+
+async def measure_grids(
+    urls: Sequence[str],
+    grids: Sequence[Grid],
+    *,
+    model: str | None = None,
+    max_num_seqs: int = 128,
+    vocab_size: int = 32000,
+    seed: int = 0,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> tuple[list[list[Point]], list[EngineInfo], list[str]]:
+    """Measure the points of all ``grids`` in one pass, interleaved: per grid its points (in
+    grid order), what each engine said, and the points skipped with why.
+    ``progress(grid, done, total)`` is called per grid before the first point and after
+    each of its points."""
+    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as http:
+        infos = [await probe(http, u.rstrip("/"), model) for u in urls]
+        clients = [_Client(http, info, vocab_size, seed + i) for i, info in enumerate(infos)]
+        # One warm-up request of each prefill size (first shapes cost extra on some backends)
+        # that also checks the usage reports cached tokens.
+        for c in clients:
+            for n in sorted({16, *(n for g in grids for n in g.prefill)}):
+                point = Point("prefill", 0.0, prefill_tokens=n)
+                if any(feasible(point, c.info, g, max_num_seqs) is None for g in grids):
+                    await c.stream(c.prompt(n), 2)
+        todo: list[list[Point]] = []
+        skipped: list[str] = []
+        for g in grids:
+            todo.append([])
+            for p in g.points():
+                why = next(
+                    filter(None, (feasible(p, c.info, g, max_num_seqs) for c in clients)), None
+                )
+                if why:
+                    skipped.append(f"{p.kind} {p}: {why}")
+                else:
+                    todo[-1].append(p)
+        queue: asyncio.Queue[tuple[int, int, Point]] = asyncio.Queue()
+        for item in _interleave(todo):
+            queue.put_nowait(item)
+        done: list[dict[int, Point]] = [{} for _ in grids]
+        if progress is not None:
+            for k, ps in enumerate(todo):
+                progress(k, 0, len(ps))
+
+        async def work(c: _Client) -> None:
+            while not queue.empty():
+                k, j, p = queue.get_nowait()
+                done[k][j] = await _measure_one(c, p, grids[k])
+                if progress is not None:
+                    progress(k, len(done[k]), len(todo[k]))
+
+        await asyncio.gather(*(work(c) for c in clients))
+    return [[d[j] for j in sorted(d)] for d in done], infos, skipped
+
+
 async def measure(
     urls: Sequence[str],
     grid: Grid,
@@ -344,46 +408,19 @@ async def measure(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Point], list[EngineInfo], list[str]]:
-    """Measure ``grid`` on the engines: the points, what each engine said, and the points
-    skipped with why. ``progress(done, total)`` is called before the first point and after
-    each."""
-    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as http:
-        infos = [await probe(http, u.rstrip("/"), model) for u in urls]
-        clients = [_Client(http, info, vocab_size, seed + i) for i, info in enumerate(infos)]
-        # One warm-up request of each prefill size (first shapes cost extra on some backends)
-        # that also checks the usage reports cached tokens.
-        for c in clients:
-            for n in sorted({*grid.prefill, 16}):
-                if (
-                    feasible(Point("prefill", 0.0, prefill_tokens=n), c.info, grid, max_num_seqs)
-                    is None
-                ):
-                    await c.stream(c.prompt(n), 2)
-        todo, skipped = [], []
-        for p in grid.points():
-            why = next(
-                filter(None, (feasible(p, c.info, grid, max_num_seqs) for c in clients)), None
-            )
-            if why:
-                skipped.append(f"{p.kind} {p}: {why}")
-            else:
-                todo.append(p)
-        queue: asyncio.Queue[tuple[int, Point]] = asyncio.Queue()
-        for i, p in enumerate(todo):
-            queue.put_nowait((i, p))
-        done: dict[int, Point] = {}
-        if progress is not None:
-            progress(0, len(todo))
-
-        async def work(c: _Client) -> None:
-            while not queue.empty():
-                i, p = queue.get_nowait()
-                done[i] = await _measure_one(c, p, grid)
-                if progress is not None:
-                    progress(len(done), len(todo))
-
-        await asyncio.gather(*(work(c) for c in clients))
-    return [done[i] for i in sorted(done)], infos, skipped
+    """Measure one ``grid`` on the engines (:func:`measure_grids`); ``progress(done,
+    total)``."""
+    per_grid = None if progress is None else (lambda _k, done, total: progress(done, total))
+    (points,), infos, skipped = await measure_grids(
+        urls,
+        [grid],
+        model=model,
+        max_num_seqs=max_num_seqs,
+        vocab_size=vocab_size,
+        seed=seed,
+        progress=per_grid,
+    )
+    return points, infos, skipped
 
 
 def _grid(grid: str | Grid) -> Grid:
@@ -406,29 +443,28 @@ def calibrate(
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure ``grid`` (and ``held_out``, not fitted) on the engines and return the profile
-    document (:func:`kvroute.sim.profile.make_profile`). ``max_num_batched_tokens`` and
+    """Measure ``grid`` (and ``held_out``, not fitted, its points interleaved with the
+    fit's so that drift of the machine reaches both alike) on the engines and return the
+    profile document (:func:`kvroute.sim.profile.make_profile`). ``max_num_batched_tokens`` and
     ``max_num_seqs`` are the engines' scheduler settings (vLLM's CPU defaults here).
-    ``progress(stage, done, total)`` follows the points, stage ``"fit"`` then
+    ``progress(stage, done, total)`` follows the points of each stage, ``"fit"`` and
     ``"held-out"``."""
     if not urls:
         raise CalibrationError("calibrate needs at least one engine URL")
-    fit_grid = _grid(grid)
-    opts: dict[str, Any] = {"model": model, "max_num_seqs": max_num_seqs, "vocab_size": vocab_size}
-
-    def stage(name: str) -> Callable[[int, int], None] | None:
-        return None if progress is None else lambda done, total: progress(name, done, total)
-
-    points, infos, skipped = asyncio.run(
-        measure(urls, fit_grid, seed=seed, progress=stage("fit"), **opts)
-    )
-    held: list[Point] = []
-    if held_out is not None:
-        other = _grid(held_out)
-        held, _, more = asyncio.run(
-            measure(urls, other, seed=seed + 1000, progress=stage("held-out"), **opts)
+    grids = [_grid(grid)] + ([] if held_out is None else [_grid(held_out)])
+    stages = ("fit", "held-out")
+    (points, *rest), infos, skipped = asyncio.run(
+        measure_grids(
+            urls,
+            grids,
+            model=model,
+            max_num_seqs=max_num_seqs,
+            vocab_size=vocab_size,
+            seed=seed,
+            progress=None if progress is None else lambda k, d, t: progress(stages[k], d, t),
         )
-        skipped += more
+    )
+    held: list[Point] = rest[0] if rest else []
     scheduler: dict[str, int] = {
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_num_seqs": max_num_seqs,
@@ -449,4 +485,13 @@ def calibrate(
     return make_profile(points, engine=engine, scheduler=scheduler, held_out=held)
 
 
-__all__ = ["GRIDS", "CalibrationError", "EngineInfo", "Grid", "calibrate", "measure", "probe"]
+__all__ = [
+    "GRIDS",
+    "CalibrationError",
+    "EngineInfo",
+    "Grid",
+    "calibrate",
+    "measure",
+    "measure_grids",
+    "probe",
+]
