@@ -9,7 +9,8 @@
 Each batch is what vLLM publishes for one request: a ``BlockStored`` of 16 blocks of 32
 tokens, and a ``BlockRemoved`` of the 16 blocks stored 64 batches before (so the view holds
 about 1,000 blocks). ``extra_info`` has blocks per second (stored and removed). The publisher
-(``tests/kvpub.py``) sends from the same process, so the socket rows include its cost.
+(``kvroute.emulator.kv_publisher``) sends from the same process, so the socket rows include
+its cost.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import kvroute
-from kvpub import FakePublisher, encode_batch, removed, stored
+from kvroute.emulator.kv_publisher import KvEventPublisher, encode_batch, removed, stored
 from kvroute.kv_events import Source, Subscriber
 
 BATCHES, PER, BS, LAG = 2000, 16, 32, 64
@@ -59,12 +60,12 @@ def router() -> kvroute.Router:
 
 
 @pytest.fixture
-def pub() -> Iterator[FakePublisher]:
-    with FakePublisher(replay=False) as p:
+def pub() -> Iterator[KvEventPublisher]:
+    with KvEventPublisher(replay=False) as p:
         yield p
 
 
-def test_read(benchmark: Any, pub: FakePublisher) -> None:
+def test_read(benchmark: Any, pub: KvEventPublisher) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -83,7 +84,7 @@ def test_read(benchmark: Any, pub: FakePublisher) -> None:
     ctx.destroy(linger=0)
 
 
-def test_subscriber(benchmark: Any, pub: FakePublisher) -> None:
+def test_subscriber(benchmark: Any, pub: KvEventPublisher) -> None:
     state: dict[str, Any] = {}
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:

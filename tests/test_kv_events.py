@@ -1,6 +1,7 @@
-"""The KV-event subscriber against a stand-in of vLLM's publisher (``tests/kvpub.py``):
-batches applied in order in both encodings, gaps repaired from the replay socket or turned
-into a degraded view, restarts, undecodable batches, and ``/kv_event_sources`` answers."""
+"""The KV-event subscriber against vLLM's publisher protocol
+(``kvroute.emulator.kv_publisher``): batches applied in order in both encodings, gaps
+repaired from the replay socket or turned into a degraded view, restarts, undecodable
+batches, and ``/kv_event_sources`` answers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 
 import kvroute
-from kvpub import FakePublisher, cleared, encode_batch, removed, stored
+from kvroute.emulator.kv_publisher import KvEventPublisher, cleared, encode_batch, removed, stored
 from kvroute.errors import InvalidArgumentError, KvrouteTypeError
 from kvroute.kv_events import Source, SourceStats, Subscriber, Tally, event_sources
 
@@ -41,12 +42,12 @@ def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
 
 
 @pytest.fixture
-def pub() -> Iterator[FakePublisher]:
-    with FakePublisher() as p:
+def pub() -> Iterator[KvEventPublisher]:
+    with KvEventPublisher() as p:
         yield p
 
 
-def subscribe(r: kvroute.Router, pub: FakePublisher, nth: int = 1) -> Subscriber:
+def subscribe(r: kvroute.Router, pub: KvEventPublisher, nth: int = 1) -> Subscriber:
     """A subscriber of ``r`` to ``pub`` (its ``nth`` subscriber), once subscribed."""
     sub = Subscriber(r)
     sub.watch(0, [Source(0, pub.endpoint, pub.replay_endpoint)])
@@ -65,14 +66,14 @@ def state(r: kvroute.Router) -> str | None:
     return rank0(r).get("state")
 
 
-def chain(pub: FakePublisher) -> None:
+def chain(pub: KvEventPublisher) -> None:
     """Three blocks of TOKENS stored, in two batches (seq 0 and 1)."""
     pub.publish([stored([1, 2], None, TOKENS[:8], BS)])
     pub.publish([stored([3], 2, TOKENS[8:], BS)])
 
 
 @pytest.mark.parametrize("encoding", ["map", "array"])
-def test_batches_are_applied_in_order(pub: FakePublisher, encoding: str) -> None:
+def test_batches_are_applied_in_order(pub: KvEventPublisher, encoding: str) -> None:
     pub.encoding = encoding  # type: ignore[assignment]
     r = router(2)
     with subscribe(r, pub):
@@ -87,7 +88,7 @@ def test_batches_are_applied_in_order(pub: FakePublisher, encoding: str) -> None
     assert [s["cache_view"] for s in r.state()] == ["events", "estimate"]
 
 
-def test_a_gap_is_repaired_from_the_replay_socket(pub: FakePublisher) -> None:
+def test_a_gap_is_repaired_from_the_replay_socket(pub: KvEventPublisher) -> None:
     r = router()
     with subscribe(r, pub) as sub:
         pub.publish([])
@@ -103,7 +104,7 @@ def test_a_gap_is_repaired_from_the_replay_socket(pub: FakePublisher) -> None:
     assert (rank["state"], rank["gaps"], rank["replayed_batches"]) == ("complete", 1, 2)
 
 
-def test_a_late_subscriber_replays_from_sequence_0(pub: FakePublisher) -> None:
+def test_a_late_subscriber_replays_from_sequence_0(pub: KvEventPublisher) -> None:
     chain(pub)  # before anyone listens
     r = router()
     with subscribe(r, pub):
@@ -114,7 +115,7 @@ def test_a_late_subscriber_replays_from_sequence_0(pub: FakePublisher) -> None:
 
 def test_without_replay_a_gap_degrades_the_view_until_a_clear() -> None:
     r = router()
-    with FakePublisher(replay=False) as pub, subscribe(r, pub):
+    with KvEventPublisher(replay=False) as pub, subscribe(r, pub):
         pub.publish([stored([1], None, TOKENS[:4], BS)])
         until(lambda: hits(r) == [4])
         r.route("a", keys(12), 12)  # pending in the events view
@@ -133,8 +134,8 @@ def test_without_replay_a_gap_degrades_the_view_until_a_clear() -> None:
         assert hits(r) == [4]
 
 
-def test_a_replay_that_begins_too_late_degrades(pub: FakePublisher) -> None:
-    with FakePublisher(buffer_steps=1) as short:
+def test_a_replay_that_begins_too_late_degrades(pub: KvEventPublisher) -> None:
+    with KvEventPublisher(buffer_steps=1) as short:
         r = router()
         with subscribe(r, short):
             short.publish([])
@@ -146,7 +147,7 @@ def test_a_replay_that_begins_too_late_degrades(pub: FakePublisher) -> None:
             assert "could not be replayed" in rank0(r)["reason"]
 
 
-def test_a_restarted_engine_resets_the_view(pub: FakePublisher) -> None:
+def test_a_restarted_engine_resets_the_view(pub: KvEventPublisher) -> None:
     r = router()
     with subscribe(r, pub):
         chain(pub)
@@ -158,7 +159,7 @@ def test_a_restarted_engine_resets_the_view(pub: FakePublisher) -> None:
     assert (rank["state"], rank["resets"], rank["last_seq"]) == ("complete", 1, 0)
 
 
-def test_an_undecodable_batch_is_counted_and_degrades(pub: FakePublisher) -> None:
+def test_an_undecodable_batch_is_counted_and_degrades(pub: KvEventPublisher) -> None:
     r = router()
     with subscribe(r, pub) as sub:
         pub.publish([])
@@ -171,7 +172,7 @@ def test_an_undecodable_batch_is_counted_and_degrades(pub: FakePublisher) -> Non
 
 def test_ranks_have_their_own_sequences() -> None:
     r = router()
-    with FakePublisher(data_parallel_rank=1) as one, FakePublisher() as zero:
+    with KvEventPublisher(data_parallel_rank=1) as one, KvEventPublisher() as zero:
         sub = Subscriber(r)
         sub.watch(
             0,
@@ -213,7 +214,7 @@ def test_apply_takes_a_decoded_batch_and_checks_its_arguments() -> None:
     assert kvroute.Router(1).kv_view(0) is None
 
 
-def test_event_sources_of_a_kv_event_sources_answer(pub: FakePublisher) -> None:
+def test_event_sources_of_a_kv_event_sources_answer(pub: KvEventPublisher) -> None:
     got = event_sources(pub.kv_event_sources(wildcard=True), "http://10.1.2.3:8000")
     port = pub.endpoint.rsplit(":", 1)[1]
     assert got[0].endpoint == f"tcp://10.1.2.3:{port}" and not got[0].bind
@@ -257,7 +258,7 @@ def test_tally_counts_rates_gaps_and_restarts() -> None:
     assert t.bad_messages == 1
 
 
-def test_the_kv_events_command_prints_a_summary(pub: FakePublisher) -> None:
+def test_the_kv_events_command_prints_a_summary(pub: KvEventPublisher) -> None:
     import json
     import threading
 
@@ -287,7 +288,7 @@ def test_the_kv_events_command_prints_a_summary(pub: FakePublisher) -> None:
     assert last["last_seq"] == 3
 
 
-def test_two_replicas_hold_the_same_view(pub: FakePublisher) -> None:
+def test_two_replicas_hold_the_same_view(pub: KvEventPublisher) -> None:
     """Two routers (two proxy replicas) subscribed to one engine: the same blocks, and each
     reports the last sequence number it applied; one that joined late catches up by replay."""
     first = router()
@@ -325,7 +326,7 @@ def test_the_proxy_reads_each_engines_kv_capacity() -> None:
             assert s.proxy.caches.found[i]["capacity"] == (int(stats["num_gpu_blocks"]), size)
 
 
-def test_a_bad_endpoint_or_instance_does_not_stop_the_subscriber(pub: FakePublisher) -> None:
+def test_a_bad_endpoint_or_instance_does_not_stop_the_subscriber(pub: KvEventPublisher) -> None:
     r = router()
     with Subscriber(r) as sub:
         sub.watch(5, [Source(0, "tcp://no-such-host.invalid:1", bind=True)])  # cannot bind

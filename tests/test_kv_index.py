@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvroute
-from kvpub import cleared, encode_batch, removed, stored
+from kvroute.emulator.kv_publisher import cleared, encode_batch, removed, stored
 from reference_kv import ReferenceEventView
 from vllm_blockpool import BlockPool, PoolExhausted
 

@@ -22,7 +22,7 @@
   chain's tail is evicted before its head), uncached ones (the partial last block) to its head;
 - ``reset`` clears the cache (one ``AllBlocksCleared``) only when no request holds a block.
 
-The checks in ``tests/test_kvpub.py`` replay scripted requests recorded from vLLM's own
+The checks in ``tests/test_kv_publisher.py`` replay scripted requests recorded from vLLM's own
 ``KVCacheManager`` (``tests/data/kv_events_golden.json``) and get the same events, hashes
 included.
 
@@ -45,7 +45,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvpub import FULL_ATTENTION, MEDIUM_GPU, BlockHash, Event, cleared, removed, stored
+from kvroute.emulator.kv_publisher import (
+    FULL_ATTENTION,
+    MEDIUM_GPU,
+    BlockHash,
+    Event,
+    cleared,
+    removed,
+    stored,
+)
 
 DEFAULT_HASH_SEED = "vllm-none-hash"
 """vLLM's NONE_HASH seed for sha256 when PYTHONHASHSEED is not set."""

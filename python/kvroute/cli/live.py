@@ -223,6 +223,15 @@ def _serve(app: Any, kw: dict[str, Any], what: str) -> None:
     is_flag=True,
     help="Leave cached_tokens out of usage (vLLM without the flag).",
 )
+@click.option(
+    "--kv-events",
+    is_flag=True,
+    help="Publish the engine's KV-cache events as vLLM does (ZMQ on --host, ports chosen "
+    "freely; GET /kv_event_sources names them).",
+)
+@click.option(
+    "--no-kv-replay", is_flag=True, help="With --kv-events: no replay socket for missed batches."
+)
 @click.option("--error-rate", default=0.0, type=click.FloatRange(0, 1))
 @click.option("--error-status", default=500, type=click.IntRange(400, 599))
 @click.option("--stall-rate", default=0.0, type=click.FloatRange(0, 1))
@@ -254,6 +263,9 @@ def engine(**kw: Any) -> None:
             prompt_tokens_details=not kw["no_prompt_tokens_details"],
             faults=faults,
             engine=kw["engine_kind"],
+            kv_events=kw["kv_events"],
+            kv_events_replay=not kw["no_kv_replay"],
+            kv_events_host=kw["host"],
         )
         app = emulator_app(config)
     except (ValueError, TypeError) as exc:

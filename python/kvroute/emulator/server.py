@@ -3,8 +3,10 @@
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming or not;
 ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stream_options.include_usage``; usage with
 ``prompt_tokens_details.cached_tokens``), ``POST /tokenize``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (vLLM names, :mod:`kvroute.emulator.prom`) and ``POST
-/reset_prefix_cache`` (vLLM dev mode's).
+``GET /health``, ``GET /metrics`` (vLLM names, :mod:`kvroute.emulator.prom`), ``POST
+/reset_prefix_cache`` (vLLM dev mode's) and ``GET /kv_event_sources`` (``{}`` unless
+``kv_events``: then the engine model's stores, evictions and resets are published as vLLM's
+KV-cache events, with a replay socket unless ``kv_events_replay`` is off; :mod:`.kv_feed`).
 
 Prompts given as token ids are used as they are; text (and chat, rendered with
 :func:`kvroute.proxy.prompts.render_chat`) goes through kvroute's built-in tokenizer, which
@@ -35,6 +37,8 @@ import kvroute
 from kvroute.emulator.driver import Channel, Driver
 from kvroute.emulator.engine import Engine, EngineEvent, SimpleEngine, preset
 from kvroute.emulator.faults import FaultConfig
+from kvroute.emulator.kv_feed import KvFeed
+from kvroute.emulator.kv_publisher import KvEventPublisher
 from kvroute.emulator.prom import EmulatorMetrics
 from kvroute.emulator.responses import DONE, Reply, token_text, usage
 from kvroute.emulator.sim_engine import SimEngine
@@ -64,6 +68,8 @@ class EmulatorConfig:
     (:class:`~kvroute.emulator.engine.SimpleEngine`, presets in ``engine.PRESETS``).
     ``overrides``: engine parameters of the preset to change, plus ``max_model_len``.
     ``reset_prefix_cache``: serve ``POST /reset_prefix_cache`` (vLLM does only in dev mode).
+    ``kv_events``: publish KV-cache events on ZMQ sockets bound to ``kv_events_host`` (the
+    ``sim`` engine only); ``kv_events_replay``: with vLLM's replay socket.
     """
 
     model: str = DEFAULT_MODEL
@@ -74,6 +80,9 @@ class EmulatorConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     engine: str = "sim"
     reset_prefix_cache: bool = True
+    kv_events: bool = False
+    kv_events_replay: bool = True
+    kv_events_host: str = "127.0.0.1"
 
 
 def make_engine(config: EmulatorConfig) -> tuple[Engine, int, int]:
@@ -116,6 +125,10 @@ class Emulator:
         self.metrics = EmulatorMetrics(config.model, self.engine.stats, self.block_size)
         self._ids = itertools.count()
         self._driver: Driver | None = None
+        if config.kv_events and not isinstance(self.engine, SimEngine):
+            raise ValueError("kv_events needs the 'sim' engine")
+        #: The KV-event feed, while the server runs with ``kv_events``.
+        self.kv_feed: KvFeed | None = None
 
     @property
     def driver(self) -> Driver:
@@ -138,6 +151,7 @@ class Emulator:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/kv_event_sources", self.kv_event_sources)
         if self.config.reset_prefix_cache:
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self._startup)
@@ -145,11 +159,20 @@ class Emulator:
         return app
 
     async def _startup(self, _app: web.Application) -> None:
+        if self.config.kv_events:
+            assert isinstance(self.engine, SimEngine)
+            publisher = KvEventPublisher(
+                replay=self.config.kv_events_replay, host=self.config.kv_events_host
+            )
+            self.kv_feed = KvFeed(publisher, self.block_size)
+            self.engine.publish_kv_events(self.kv_feed.publish)
         self._driver = Driver(self.engine, speedup=self.config.speedup)
 
     async def _cleanup(self, _app: web.Application) -> None:
         if self._driver is not None:
             self._driver.close()
+        if self.kv_feed is not None:
+            self.kv_feed.publisher.close()
 
     def _ids_of(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -216,6 +239,8 @@ class Emulator:
             channel = self.driver.submit(rid, keys, len(ids), n_out)
         except KvrouteError as exc:
             return self._error(400, f"the engine refused the request: {exc}")
+        if self.kv_feed is not None:
+            self.kv_feed.admit(rid, keys, ids)
         self.metrics.prompt_tokens.inc(len(ids))
         reply = Reply(self.config.model, chat)
         die_after = self.faults.die_after_tokens if fault == "die" else None
@@ -242,6 +267,8 @@ class Emulator:
             return web.json_response(reply.whole(token_text(0, sent), reason, u))
         finally:
             self.driver.cancel(rid)
+            if self.kv_feed is not None:
+                self.kv_feed.release(rid)
 
     async def _next(self, channel: Channel) -> list[EngineEvent]:
         """The request's next events, held back by the engine's ``request_overhead_s``."""
@@ -325,6 +352,14 @@ class Emulator:
             "max_model_len": self.max_model_len,
         }
         return web.json_response({"object": "list", "data": [card]})
+
+    async def kv_event_sources(self, _request: web.Request) -> web.Response:
+        """vLLM's ``GET /kv_event_sources``: ``{rank: KVEventsConfig}`` (``{}`` without), the
+        endpoints as ``tcp://*:<port>``, as vLLM reports the endpoints it binds (one with a host
+        would be one it connects to), so a reader connects to the engine's own host."""
+        feed = self.kv_feed
+        answer = {} if feed is None else feed.publisher.kv_event_sources(wildcard=True)
+        return web.json_response(answer)
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.Response(status=503 if self.faults.unhealthy else 200)

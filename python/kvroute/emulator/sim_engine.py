@@ -11,7 +11,7 @@ O(events) per call on top of the model's own cost; not thread-safe (one driver o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvroute
@@ -45,6 +45,17 @@ class SimEngine:
         #: ``request_overhead_s``; the server holds each event back until then).
         self.request_overhead_s = float(self.model.params["request_overhead_s"])
         self._generated: dict[RequestId, int] = {}
+        self._kv_sink: Callable[[list[tuple[str, int | None]]], None] | None = None
+
+    def publish_kv_events(self, sink: Callable[[list[tuple[str, int | None]]], None]) -> None:
+        """Hand the KV pool's changes (``EngineModel.take_kv_events``) to ``sink`` after each
+        advance and reset that made some."""
+        self.model.record_kv_events(True)
+        self._kv_sink = sink
+
+    def _drain_kv_events(self) -> None:
+        if self._kv_sink is not None and (changes := self.model.take_kv_events()):
+            self._kv_sink(changes)
 
     def submit(
         self,
@@ -77,10 +88,13 @@ class SimEngine:
             else:
                 seen.pop(rid, None)
                 out.append(EngineEvent("finish", rid, t))
+        self._drain_kv_events()
         return out
 
     def reset_prefix_cache(self) -> int:
-        return self.model.reset_prefix_cache()
+        blocks = self.model.reset_prefix_cache()
+        self._drain_kv_events()
+        return blocks
 
     def cancel(self, request_id: RequestId) -> None:
         self.model.cancel(request_id)

@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 
 use super::commit::KvOp;
 pub use super::events::{EngineCounters, EngineEvent, EngineStats, FinishInfo, Reject};
-use super::kv::KvPool;
+use super::kv::{KvPool, PoolEvent};
 use super::params::EngineParams;
 pub(super) use super::segment::Segment;
 use crate::error::Result;
@@ -230,12 +230,22 @@ impl<'a> Engine<'a> {
         true
     }
 
-    /// Queues, pool use and counters (as of the last step boundary).
     /// Empty the prefix cache of every entry no running request holds; the blocks emptied.
     pub fn reset_prefix_cache(&mut self) -> u64 {
         self.kv.reset()
     }
 
+    /// Log the pool's stores, evictions and resets ([`KvPool::record_events`]).
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.kv.record_events(on);
+    }
+
+    /// The pool's events since the last call ([`KvPool::take_events`]).
+    pub fn take_kv_events(&mut self) -> Vec<PoolEvent> {
+        self.kv.take_events()
+    }
+
+    /// Queues, pool use and counters (as of the last step boundary).
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             running: self.running.len(),

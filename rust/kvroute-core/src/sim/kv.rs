@@ -18,6 +18,10 @@
 //! total. New blocks come from empty ones first, then by evicting free entries, LRU first.
 //! Every operation is O(1) per key touched (eviction amortized); an entry map lookup per key
 //! (a `KeyIndex`, prefetched ahead). Not synchronised: owned by one engine.
+//!
+//! On request ([`KvPool::record_events`]) the pool also logs what it stores, evicts and
+//! clears ([`PoolEvent`]), in order, for an engine that publishes vLLM's KV-cache events (the
+//! emulator); off, the log costs one branch per stored or evicted key.
 
 use crate::index::{prefetch, KeyIndex};
 use crate::stamped::{Stamped, StampedQueue};
@@ -32,6 +36,18 @@ struct Entry {
     refs: u32,
     /// Stamp of the release that made it free; 0 while pinned or evicted.
     freed: u64,
+}
+
+/// A change to the pool's cached keys, as vLLM's KV-cache events report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// A key was cached (vLLM's `BlockStored`).
+    Stored(u64),
+    /// A cached key was evicted, or dropped by a reset that running requests survived
+    /// (`BlockRemoved`).
+    Removed(u64),
+    /// A reset emptied the whole pool (`AllBlocksCleared`).
+    Cleared,
 }
 
 /// The pool and its prefix cache.
@@ -49,6 +65,8 @@ pub struct KvPool {
     free_entries: usize,
     clock: u64,
     evictions: u64,
+    /// What changed since the last [`take_events`](Self::take_events), when recording.
+    log: Option<Vec<PoolEvent>>,
 }
 
 /// The result of a prefix lookup, read only.
@@ -75,6 +93,23 @@ impl KvPool {
             free_entries: 0,
             clock: 0,
             evictions: 0,
+            log: None,
+        }
+    }
+
+    /// Start (or stop, dropping what is logged) logging [`PoolEvent`]s.
+    pub fn record_events(&mut self, on: bool) {
+        self.log = on.then(Vec::new);
+    }
+
+    /// The events logged since the last call, oldest first (none when not recording).
+    pub fn take_events(&mut self) -> Vec<PoolEvent> {
+        self.log.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn logged(&mut self, event: PoolEvent) {
+        if let Some(log) = &mut self.log {
+            log.push(event);
         }
     }
 
@@ -188,6 +223,7 @@ impl KvPool {
         } else {
             self.entries.push(e);
         }
+        self.logged(PoolEvent::Stored(key));
         Some(slot)
     }
 
@@ -216,12 +252,19 @@ impl KvPool {
     }
 
     /// Drop every unreferenced entry (vLLM's `reset_prefix_cache`; not counted as
-    /// evictions); entries running requests hold stay. Returns the blocks emptied.
+    /// evictions); entries running requests hold stay. Returns the blocks emptied. Logged as
+    /// [`PoolEvent::Cleared`] when nothing is left, else a `Removed` per entry dropped.
     pub fn reset(&mut self) -> u64 {
         let blocks = self.cached;
         let evictions = self.evictions;
+        let whole = self.free_entries == self.map.len();
+        let log = if whole { self.log.take() } else { None };
         if blocks > 0 {
             self.evict_blocks(blocks);
+        }
+        if let Some(mut log) = log {
+            log.push(PoolEvent::Cleared);
+            self.log = Some(log);
         }
         self.evictions = evictions;
         blocks
@@ -255,6 +298,7 @@ impl KvPool {
             self.map.remove(f.key);
             self.free_slots.push(f.slot);
             self.evictions += 1;
+            self.logged(PoolEvent::Removed(f.key));
         }
     }
 
@@ -303,6 +347,39 @@ mod tests {
         kv.release(&h2, 0);
         assert_eq!(kv.reset(), 2);
         assert_eq!((kv.cached(), kv.resident_keys(), kv.evictions()), (0, 0, 2));
+    }
+
+    #[test]
+    fn logs_stores_evictions_and_resets_in_order() {
+        use PoolEvent::{Cleared, Removed, Stored};
+        let mut kv = KvPool::new(4);
+        assert!(kv.alloc(2));
+        assert!(kv.register(7, 1).is_some()); // not recording yet
+        kv.record_events(true);
+        let held = vec![kv.register(8, 1).unwrap()];
+        assert!(kv.register(8, 1).is_none()); // a duplicate is not stored
+        assert_eq!(kv.take_events(), vec![Stored(8)]);
+        assert!(kv.take_events().is_empty());
+        kv.release(&held, 0);
+        assert!(kv.alloc(3)); // evicts key 8 (key 7 is still pinned)
+        assert_eq!(kv.take_events(), vec![Removed(8)]);
+        // Key 7's entry is released; a reset that leaves nothing is one Cleared...
+        let mut slots = Vec::new();
+        kv.lookup(&[7], &mut slots);
+        kv.release(&slots, 3);
+        assert_eq!(kv.reset(), 1);
+        assert_eq!(kv.take_events(), vec![Cleared]);
+        // ...and one that a running request survives names what it drops.
+        assert!(kv.alloc(2));
+        let a = kv.register(1, 1).unwrap();
+        let b = kv.register(2, 1).unwrap();
+        kv.release(&[b], 0);
+        assert_eq!(kv.reset(), 1);
+        assert_eq!(kv.take_events(), vec![Stored(1), Stored(2), Removed(2)]);
+        kv.record_events(false);
+        kv.release(&[a], 0);
+        kv.reset();
+        assert!(kv.take_events().is_empty());
     }
 
     /// A plain model of the pool: reference counts, and the free keys as a list (most

@@ -14,6 +14,7 @@ use std::borrow::Cow;
 use rustc_hash::FxHashMap;
 
 use super::engine::{Engine, EngineEvent, EngineStats};
+use super::kv::PoolEvent;
 use super::params::EngineParams;
 use crate::error::{Error, Result};
 use crate::router::Id;
@@ -127,6 +128,16 @@ impl LiveEngine {
     /// Empty the prefix cache (entries running requests hold stay); the blocks emptied.
     pub fn reset_prefix_cache(&mut self) -> u64 {
         self.engine.reset_prefix_cache()
+    }
+
+    /// Log the pool's stores, evictions and resets (for an engine publishing KV events).
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.engine.record_kv_events(on);
+    }
+
+    /// The pool's events since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<PoolEvent> {
+        self.engine.take_kv_events()
     }
 
     /// Drop a request; returns whether it was in the engine.

@@ -37,6 +37,7 @@ pub mod trace;
 pub use cluster::{run, RouterCache, RunConfig};
 pub use dispatch::Mode;
 pub use engine::{Engine, EngineEvent, EngineStats, FinishInfo, Reject};
+pub use kv::PoolEvent;
 pub use live::{LiveEngine, LiveEvent};
 pub use output::{Records, RunStats, Series, SimOutput};
 pub use params::EngineParams;

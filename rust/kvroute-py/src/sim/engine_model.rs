@@ -4,13 +4,13 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use kvroute_core::sim::{LiveEngine, LiveEvent};
+use kvroute_core::sim::{LiveEngine, LiveEvent, PoolEvent};
 use kvroute_core::Id;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use super::build_params;
-use crate::convert::{count, id, keys, RealArg, TextArg};
+use crate::convert::{count, flag, id, keys, RealArg, TextArg};
 use crate::errors::to_py;
 
 /// One simulated vLLM engine driven by the caller's clock (see `docs/simulator.md`).
@@ -119,6 +119,29 @@ impl PyEngineModel {
     /// ``reset_prefix_cache``); returns the KV blocks emptied.
     fn reset_prefix_cache(&self) -> u64 {
         self.lock().reset_prefix_cache()
+    }
+
+    /// Log the KV pool's stores, evictions and resets for :meth:`take_kv_events` (off at
+    /// first; turning it off drops what is logged).
+    fn record_kv_events(&self, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        let on = flag(on, "on")?;
+        self.lock().record_kv_events(on);
+        Ok(())
+    }
+
+    /// The pool's changes since the last call, oldest first: `("stored", key)` when a key is
+    /// cached, `("removed", key)` when it is evicted (or a reset drops it while running
+    /// requests keep others), `("cleared", None)` when a reset empties the pool.
+    fn take_kv_events(&self) -> Vec<(&'static str, Option<u64>)> {
+        let events = self.lock().take_kv_events();
+        events
+            .into_iter()
+            .map(|e| match e {
+                PoolEvent::Stored(k) => ("stored", Some(k)),
+                PoolEvent::Removed(k) => ("removed", Some(k)),
+                PoolEvent::Cleared => ("cleared", None),
+            })
+            .collect()
     }
 
     /// running, waiting, kv_used_blocks, kv_cached_blocks, kv_total_blocks, kv_usage,

@@ -1,5 +1,6 @@
-"""Tests of the vLLM KV-event test doubles: ``kvpub`` (encoding, ``FakePublisher``) against
-bytes and frames made by vLLM 0.32 itself (``data/kv_events_golden.json``), and
+"""Tests of the vLLM KV-event publisher and model: ``kvroute.emulator.kv_publisher``
+(encoding, ``KvEventPublisher``) against bytes and frames made by vLLM 0.32 itself
+(``data/kv_events_golden.json``), and
 ``vllm_blockpool`` against event sequences recorded from vLLM's own ``KVCacheManager``.
 
 Socket tests use a real pyzmq SUB and DEALER and only ever wait with ``poll`` timeouts.
@@ -19,9 +20,9 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import zmq
 
-from kvpub import (
+from kvroute.emulator.kv_publisher import (
     END_SEQ,
-    FakePublisher,
+    KvEventPublisher,
     cleared,
     decode_batch,
     encode_batch,
@@ -69,7 +70,7 @@ class Net:
         self.sockets.append(sock)
         return sock
 
-    def sub(self, pub: FakePublisher, topic: bytes = b"") -> zmq.Socket[bytes]:
+    def sub(self, pub: KvEventPublisher, topic: bytes = b"") -> zmq.Socket[bytes]:
         """A SUB on ``pub``, subscribed (and seen to be) to ``topic``."""
         before = pub.subscriptions
         sock = self.socket(zmq.SUB)
@@ -78,7 +79,7 @@ class Net:
         assert pub.wait_for_subscribers(before + 1, timeout=1.0)
         return sock
 
-    def dealer(self, pub: FakePublisher) -> zmq.Socket[bytes]:
+    def dealer(self, pub: KvEventPublisher) -> zmq.Socket[bytes]:
         assert pub.replay_endpoint is not None
         sock = self.socket(zmq.DEALER)
         sock.connect(pub.replay_endpoint)
@@ -98,8 +99,8 @@ def net() -> Iterator[Net]:
 
 
 @pytest.fixture
-def pub() -> Iterator[FakePublisher]:
-    with FakePublisher(buffer_steps=16) as publisher:
+def pub() -> Iterator[KvEventPublisher]:
+    with KvEventPublisher(buffer_steps=16) as publisher:
         yield publisher
 
 
@@ -221,7 +222,7 @@ def test_batch_without_rank() -> None:
 def test_wire_frames_are_vllms(net: Net) -> None:
     wire = GOLDEN["wire"]
     by_name = {name: batch for name, batch, _ in golden_batches("batches")}
-    with FakePublisher(topic=wire["topic"], buffer_steps=wire["buffer_steps"]) as p:
+    with KvEventPublisher(topic=wire["topic"], buffer_steps=wire["buffer_steps"]) as p:
         sub = net.sub(p)
         for name in wire["published"]:
             batch = by_name[name]
@@ -246,7 +247,7 @@ def test_wire_frames_are_vllms(net: Net) -> None:
 
 
 def test_kv_event_sources_concrete_and_multi_rank() -> None:
-    with FakePublisher() as p0, FakePublisher(data_parallel_rank=1, replay=False) as p1:
+    with KvEventPublisher() as p0, KvEventPublisher(data_parallel_rank=1, replay=False) as p1:
         src = kv_event_sources(p0, p1)
         assert list(src) == ["0", "1"]
         assert src["0"]["endpoint"] == p0.endpoint
@@ -260,7 +261,7 @@ def test_kv_event_sources_concrete_and_multi_rank() -> None:
 # -- publisher behaviour ---------------------------------------------------------------------
 
 
-def test_publish_sequences_from_zero(net: Net, pub: FakePublisher) -> None:
+def test_publish_sequences_from_zero(net: Net, pub: KvEventPublisher) -> None:
     sub = net.sub(pub)
     events = [stored([1, 2], None, range(8), 4), removed([1]), cleared()]
     assert [pub.publish([e], ts=10.0 + i) for i, e in enumerate(events)] == [0, 1, 2]
@@ -274,7 +275,7 @@ def test_publish_sequences_from_zero(net: Net, pub: FakePublisher) -> None:
 
 
 def test_rank_and_topic(net: Net) -> None:
-    with FakePublisher(topic="kv@rank", data_parallel_rank=2) as p:
+    with KvEventPublisher(topic="kv@rank", data_parallel_rank=2) as p:
         other = net.sub(p, b"nope")
         sub = net.sub(p, b"kv@")
         assert p.wait_for_subscribers(2, timeout=1.0)
@@ -287,7 +288,7 @@ def test_rank_and_topic(net: Net) -> None:
         assert silent(other)
 
 
-def test_array_encoding_on_the_wire(net: Net, pub: FakePublisher) -> None:
+def test_array_encoding_on_the_wire(net: Net, pub: KvEventPublisher) -> None:
     sub = net.sub(pub)
     pub.encoding = "array"
     event = stored([5], 4, [1, 2], 2)
@@ -302,7 +303,7 @@ def test_array_encoding_on_the_wire(net: Net, pub: FakePublisher) -> None:
     assert decode_batch(payload).events == [event, removed([5]), cleared()]
 
 
-def test_drop_next_makes_a_gap_that_replay_fills(net: Net, pub: FakePublisher) -> None:
+def test_drop_next_makes_a_gap_that_replay_fills(net: Net, pub: KvEventPublisher) -> None:
     sub = net.sub(pub)
     pub.publish([removed([0])])
     pub.drop_next(2)
@@ -318,7 +319,7 @@ def test_drop_next_makes_a_gap_that_replay_fills(net: Net, pub: FakePublisher) -
 
 
 def test_replay_buffer_keeps_the_last_buffer_steps(net: Net) -> None:
-    with FakePublisher(buffer_steps=3) as p:
+    with KvEventPublisher(buffer_steps=3) as p:
         for _ in range(5):
             p.publish([cleared()])
         d = net.dealer(p)
@@ -328,7 +329,7 @@ def test_replay_buffer_keeps_the_last_buffer_steps(net: Net) -> None:
         assert [s for s, _ in p.buffered()] == [2, 3, 4]
 
 
-def test_restart_starts_again_at_zero(net: Net, pub: FakePublisher) -> None:
+def test_restart_starts_again_at_zero(net: Net, pub: KvEventPublisher) -> None:
     sub = net.sub(pub)
     pub.publish([stored([1], None, [1, 2, 3, 4], 4)])
     pub.publish([stored([2], 1, [5, 6, 7, 8], 4)])
@@ -341,7 +342,7 @@ def test_restart_starts_again_at_zero(net: Net, pub: FakePublisher) -> None:
     assert decode_batch(replies[0][3]).events == [cleared()]
 
 
-def test_bad_replay_request_is_ignored(net: Net, pub: FakePublisher) -> None:
+def test_bad_replay_request_is_ignored(net: Net, pub: KvEventPublisher) -> None:
     pub.publish([cleared()])
     d = net.dealer(pub)
     d.send_multipart([b"", b"extra", seq_bytes(0)])  # four frames at the ROUTER
@@ -350,7 +351,7 @@ def test_bad_replay_request_is_ignored(net: Net, pub: FakePublisher) -> None:
     assert pub.replay_requests == [0]
 
 
-def test_replay_paused_then_answered(net: Net, pub: FakePublisher) -> None:
+def test_replay_paused_then_answered(net: Net, pub: KvEventPublisher) -> None:
     pub.publish([cleared()])
     pub.replay_paused = True
     d = net.dealer(pub)
@@ -362,7 +363,7 @@ def test_replay_paused_then_answered(net: Net, pub: FakePublisher) -> None:
 
 
 def test_no_replay_socket_and_close() -> None:
-    p = FakePublisher(replay=False)
+    p = KvEventPublisher(replay=False)
     assert p.replay_endpoint is None
     assert p.kv_event_sources()["0"]["replay_endpoint"] is None
     p.close()
@@ -371,7 +372,7 @@ def test_no_replay_socket_and_close() -> None:
         p.publish([cleared()])
 
 
-def test_publish_from_threads(net: Net, pub: FakePublisher) -> None:
+def test_publish_from_threads(net: Net, pub: KvEventPublisher) -> None:
     import threading
 
     sub = net.sub(pub)
@@ -575,7 +576,7 @@ def test_events_replayed_reproduce_cached(seed: int) -> None:
                 assert pool.tokens_of(h) == prefix
 
 
-def test_model_events_through_the_publisher(net: Net, pub: FakePublisher) -> None:
+def test_model_events_through_the_publisher(net: Net, pub: KvEventPublisher) -> None:
     sub = net.sub(pub)
     pool = BlockPool(6, 2)
     steps = [pool.run([1, 2, 3, 4, 5]), pool.run(list(range(20, 28))), pool.reset()]

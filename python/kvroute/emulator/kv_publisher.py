@@ -1,4 +1,6 @@
-"""A stand-in for vLLM's KV-cache event publisher (``ZmqEventPublisher``), for tests.
+"""vLLM's KV-cache event publisher (``ZmqEventPublisher``) and its wire format, for the
+emulator (``kvroute engine --kv-events``, which publishes its engine model's stores and
+evictions) and for tests (byte-exact against vLLM itself, with knobs for gaps and restarts).
 
 What it holds:
 
@@ -13,7 +15,7 @@ What it holds:
   (``["BlockStored", block_hashes, parent_block_hash, ...]``: every field, in order, defaults
   included, since msgspec's ``omit_defaults`` does not apply to ``array_like`` structs), here
   with 0.32's fields (older releases had fewer: 0.9's BlockStored stopped at ``lora_id``);
-- :class:`FakePublisher`: the sockets and the protocol of ``ZmqEventPublisher`` (vLLM 0.32,
+- :class:`KvEventPublisher`: the sockets and the protocol of ``ZmqEventPublisher`` (vLLM 0.32,
   ``vllm/distributed/kv_events.py``), with knobs for making gaps and restarts:
 
   * PUB: multipart ``[topic, seq (8-byte big-endian unsigned), payload]``, seq from 0;
@@ -25,11 +27,15 @@ What it holds:
 
 Where it differs from vLLM, on purpose: it binds ``tcp://127.0.0.1:<free port>`` (vLLM binds
 only endpoints with a ``*``, ``::``, ``ipc://`` or ``inproc://`` and *connects* to others); its
-PUB socket is an XPUB, the same on the wire to a SUB, so that :meth:`FakePublisher.
-wait_for_subscribers` can tell when a subscription has arrived (a plain PUB drops what it sends
-before then: the "slow joiner"); it sends synchronously in :meth:`FakePublisher.publish`, where
-vLLM queues the batch for a publisher thread; it answers replay on its own thread at once, where
-vLLM's thread looks for replay requests between batches (up to 0.1 s later when idle).
+PUB socket is an XPUB, the same on the wire to a SUB, so that
+:meth:`KvEventPublisher.wait_for_subscribers` can tell when a subscription has arrived (a plain
+PUB drops what it sends before then: the "slow joiner"); it sends synchronously in
+:meth:`KvEventPublisher.publish`, where vLLM queues the batch for a publisher thread; it answers
+replay on its own thread at once, where vLLM's thread looks for replay requests between
+batches (up to 0.1 s later when idle).
+
+Thread-safety: every public method may be called from any thread (one lock around the PUB
+socket and the buffer). Per batch O(its events) to encode.
 """
 
 from __future__ import annotations
@@ -225,8 +231,8 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-class FakePublisher:
-    """vLLM's ``ZmqEventPublisher`` for tests (see the module docstring for the protocol).
+class KvEventPublisher:
+    """vLLM's ``ZmqEventPublisher`` (see the module docstring for the protocol).
 
     ``publish`` assigns the next sequence number (from 0), keeps the payload in the replay
     buffer and sends it on the PUB socket, unless :meth:`drop_next` asked to drop it (it stays
@@ -283,7 +289,7 @@ class FakePublisher:
                 self._router.setsockopt(zmq.LINGER, 0)
                 self.replay_endpoint = self._bind(self._router, host)
                 self._thread = threading.Thread(
-                    target=self._serve_replay, name="fake-kv-replay", daemon=True
+                    target=self._serve_replay, name="kv-replay", daemon=True
                 )
                 self._thread.start()
         except BaseException:
@@ -448,7 +454,7 @@ class FakePublisher:
         self._pub.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> FakePublisher:
+    def __enter__(self) -> KvEventPublisher:
         return self
 
     def __exit__(
@@ -460,7 +466,7 @@ class FakePublisher:
         self.close()
 
 
-def kv_event_sources(*publishers: FakePublisher, wildcard: bool = False) -> dict[str, Any]:
+def kv_event_sources(*publishers: KvEventPublisher, wildcard: bool = False) -> dict[str, Any]:
     """``GET /kv_event_sources`` of one engine with several DP ranks (one publisher each)."""
     out: dict[str, Any] = {}
     for p in publishers:
