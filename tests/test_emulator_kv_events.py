@@ -103,7 +103,9 @@ def test_the_events_view_follows_an_evicting_emulator_exactly() -> None:
                     for v in ("events", "estimate")
                 ]
                 body = {"model": s.emulators[0].config.model, "prompt": prompt, "max_tokens": 2}
-                status, headers, raw = http("POST", s.url + "/v1/completions", json.dumps(body).encode())
+                status, headers, raw = http(
+                    "POST", s.url + "/v1/completions", json.dumps(body).encode()
+                )
                 assert status == 200, raw
                 inst = int(headers["x-kvroute-instance"])
                 cached = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -181,3 +183,40 @@ def test_kvroute_engine_publishes_kv_events() -> None:
         stop(proc)
     done = CliRunner().invoke(main, ["engine", "--kv-events", "--engine", "simple"])
     assert done.exit_code == 2 and "kv_events needs the 'sim' engine" in done.output
+
+
+@pytest.mark.parametrize("view", ["events", "estimate"])
+def test_prefixes_an_outside_client_left_are_found_on_the_events_view(view: str) -> None:
+    """A client beside the proxy sends prefixes straight to engine 1; the proxy's estimate
+    never saw them, its events view did: with ``sglang_cache_aware`` the events view routes
+    every later request of those prefixes to engine 1 and hits them whole."""
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(30_000) for _ in range(160)] for _ in range(6)]
+    kv = "auto" if view == "events" else "off"
+    config = proxy_config(policy="sglang_cache_aware", kv_events=kv)
+    emulator = {"kv_events": True, "overrides": {**SMALL, "kv_capacity_tokens": 8192}}
+    with Stack(2, proxy=config, emulator=emulator) as s:
+        if view == "events":
+            views_complete(s)
+        model = s.emulators[0].config.model
+        for prefix in prefixes:
+            body = {"model": model, "prompt": prefix, "max_tokens": 1}
+            assert (
+                http("POST", s.engine_urls[1] + "/v1/completions", json.dumps(body).encode())[0]
+                == 200
+            )
+        if view == "events":
+            wait_until(lambda: settled(s.emulators[1], s, 1), 10, "the view to settle")
+        hits = []
+        for prefix in prefixes:
+            prompt = prefix + [rng.randrange(30_000) for _ in range(16)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1}
+            status, headers, raw = http(
+                "POST", s.url + "/v1/completions", json.dumps(body).encode()
+            )
+            assert status == 200, raw
+            cached = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            hits.append((int(headers["x-kvroute-instance"]), cached))
+    print(f"\n{view} view: (engine, cached tokens) {hits}")
+    if view == "events":
+        assert hits == [(1, 160)] * len(prefixes)
