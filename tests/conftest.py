@@ -12,6 +12,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,15 +42,26 @@ def default_sigint() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def vllm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """Two real vLLM engines on CPU (``tests/realvllm.py``), for the ``vllm``-marked tests
-    (engine 1 with a 32 MiB KV cache):
-    made once per run, stopped at its end. Skipped, with the reason, only where the engines'
-    environment cannot be made (no package index to install vLLM from)."""
+def vllm_python() -> Path:
+    """The Python of the real-vLLM environment (``tests/realvllm.py``), made on first use
+    (about 5 minutes on a new machine). Skipped, with the reason, only where it cannot be
+    made (no package index to install vLLM from)."""
     import realvllm
 
     try:
-        realvllm.ensure_model(realvllm.ensure_venv())
+        return realvllm.ensure_venv()
+    except realvllm.HarnessError as exc:
+        pytest.skip(f"the real-vLLM environment cannot be made here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> Iterator[Any]:
+    """Two real vLLM engines on CPU (``tests/realvllm.py``), for the ``vllm``-marked tests
+    (engine 1 with a 32 MiB KV cache): made once per run, stopped at its end."""
+    import realvllm
+
+    try:
+        realvllm.ensure_model(vllm_python)
     except realvllm.HarnessError as exc:
         pytest.skip(f"real vLLM engines cannot be made here: {exc}")
     ports = realvllm.free_ports(4)

