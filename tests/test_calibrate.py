@@ -61,7 +61,7 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     sets += ["--set=block_size=32", "--set=kv_block_size=32", "--set=kv_capacity_tokens=262144"]
     proc, url = spawn("engine", "--model", "m", *sets)
     path = tmp_path / "p.json"
-    args = ["calibrate", "--url", url, "-o", str(path), "--grid", "short", "--held-out", "none"]
+    args = ["calibrate", "--url", url, "-o", str(path), "--held-out", "none"]  # standard grid
     args += ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
     try:
         done = CliRunner().invoke(main, args)
@@ -74,13 +74,10 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     got = doc["params"]
     off = {t: got[t] / TRUE[t] - 1 for t in COST_TERMS[:-1]}
-    # The step and decode terms come back within the issue's 5%. A prefill point is one
-    # request, whose time also holds the emulator's own parsing and hashing of the prompt
-    # (about 1 us a token, which the fit rightly counts as prefill cost) and its event
-    # loop's jitter: the prefill terms come back within 15% on the short grid (within 7% on
-    # the standard grid, which takes a minute here).
-    bound = {t: 0.15 if t.startswith("prefill") else 0.05 for t in off}
-    assert all(abs(e) <= bound[t] for t, e in off.items()), off
+    # Every term within the issue's 5% (up to 4.0% over three runs here). The standard grid
+    # takes a minute; on the short grid (12 s) a few milliseconds of the event loops' jitter
+    # on the smallest prefills still moved the prefill terms by up to 6-12%.
+    assert all(abs(e) <= 0.05 for e in off.values()), off
     assert got["kv_capacity_tokens"] == 262144 and got["kv_block_size"] == 32
     assert doc["fit"]["error"]["all"]["p90"] < 0.05 and "held_out" not in doc
     params = load_profile(path)

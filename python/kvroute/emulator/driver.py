@@ -4,7 +4,9 @@ Engine time is ``(loop.time() - start) * speedup``. The driver keeps one timer o
 set for the engine's next event (but no sooner than ``min_tick_s`` of wall time after the last
 wake, so a fast engine is advanced in batches); each wake calls ``advance(now)`` once and hands
 the events to the per-request :class:`Channel`. A submit that makes the next event earlier
-moves the timer.
+moves the timer. A request may be submitted as of when it arrived (``arrived``: before the
+server parsed and hashed it), so the server's own work does not add to the engine's times;
+the engine's clock still only moves forward.
 
 Cost per wake: O(events); per request: O(1) channel work. Loop-affine: every method must be
 called on the loop's thread.
@@ -61,6 +63,8 @@ class Driver:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._channels: dict[RequestId, Channel] = {}
+        #: The latest engine time given to the engine.
+        self._clock = 0.0
 
     def now(self) -> float:
         """Engine time now."""
@@ -78,11 +82,19 @@ class Driver:
         return len(self._channels)
 
     def submit(
-        self, request_id: RequestId, hash_ids: Sequence[int], input_length: int, output_length: int
+        self,
+        request_id: RequestId,
+        hash_ids: Sequence[int],
+        input_length: int,
+        output_length: int,
+        arrived: float | None = None,
     ) -> Channel:
-        """Submit a request now; its events arrive on the returned channel."""
+        """Submit a request at engine time ``arrived`` (default now; never before the last
+        time the engine was given); its events arrive on the returned channel."""
         channel = Channel(self._loop)
-        self.engine.submit(request_id, hash_ids, input_length, output_length, self.now())
+        at = self.now() if arrived is None else min(max(arrived, self._clock), self.now())
+        self._clock = at
+        self.engine.submit(request_id, hash_ids, input_length, output_length, at)
         self._channels[request_id] = channel
         self._schedule()
         return channel
@@ -115,7 +127,8 @@ class Driver:
         self._timer_at = float("inf")
         self._last_wake = self._loop.time()
         channels = self._channels
-        for ev in self.engine.advance(self.now()):
+        self._clock = self.now()
+        for ev in self.engine.advance(self._clock):
             ch = channels.get(ev.request_id)
             if ch is None:
                 continue

@@ -197,7 +197,9 @@ class Emulator:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = parse_body(await request.read())
+            raw = await request.read()
+            arrived = self.driver.now()  # parsing and hashing it take no engine time
+            body = parse_body(raw)
             model = body.get("model")
             if model is not None and model != self.config.model:
                 return self._error(404, f"The model `{model}` does not exist.", "model")
@@ -230,13 +232,14 @@ class Emulator:
             return web.json_response(body_, status=status)
         if fault == "stall":
             await asyncio.sleep(self.faults.stall_s)
+            arrived = self.driver.now()
         n_out, reason = output_plan(
             max_tokens, min_tokens, bool(body.get("ignore_eos", False)), keys[-1] if keys else 0
         )
         rid = next(self._ids)
         t0 = time.perf_counter()
         try:
-            channel = self.driver.submit(rid, keys, len(ids), n_out)
+            channel = self.driver.submit(rid, keys, len(ids), n_out, arrived)
         except KvrouteError as exc:
             return self._error(400, f"the engine refused the request: {exc}")
         if self.kv_feed is not None:
