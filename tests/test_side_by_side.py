@@ -115,3 +115,13 @@ def test_side_by_side_errors(tmp_path: Path) -> None:
         sbs.side_by_side(trace, [], {})
     with pytest.raises(kvroute.InvalidArgumentError, match="mode"):
         sbs.side_by_side(trace, ["http://127.0.0.1:9"], {}, mode="poisson")
+
+
+def test_a_proxy_that_cannot_start_names_why() -> None:
+    """An arm's proxy runs in its own process; one that exits at start-up is an error that
+    quotes its last log lines, not a hang."""
+    from kvroute.replay import ReplayError
+
+    args = ["--backend=http://127.0.0.1:9", "--policy=no-such-policy"]
+    with pytest.raises(ReplayError, match=r"did not start(.|\n)*policy"), sbs.proxy_process(args):
+        pass

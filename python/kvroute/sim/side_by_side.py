@@ -113,7 +113,8 @@ def proxy_process(args: Sequence[str], timeout_s: float = 60.0) -> Iterator[str]
             lines.put(line)
         lines.put(None)
 
-    threading.Thread(target=read, name="kvroute-proxy-log", daemon=True).start()
+    reader = threading.Thread(target=read, name="kvroute-proxy-log", daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -133,6 +134,9 @@ def proxy_process(args: Sequence[str], timeout_s: float = 60.0) -> Iterator[str]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        reader.join(10)
+        assert proc.stderr is not None
+        proc.stderr.close()
 
 
 def run_real(
