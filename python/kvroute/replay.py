@@ -48,6 +48,10 @@ from kvroute.records import conform_records, record_schema
 from kvroute.schema import block_size_of
 
 MODES = ("tracets", "thinktime", "poisson")
+#: Idle client connections are closed after this many seconds, before the engine's server
+#: closes them (vLLM's uvicorn keeps an idle connection 5 s): a request sent on a connection
+#: the server is closing at that moment fails with "Server disconnected".
+KEEPALIVE_S = 3.0
 FIRST_ID = 256
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 U64 = npt.NDArray[np.uint64]

@@ -27,6 +27,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from kvroute.replay import KEEPALIVE_S
+
 SIZES = (2048, 8192, 16384, 32768, 65536)
 VARIANTS = ("same", "different")
 
@@ -211,7 +213,7 @@ def _simulated_cell(
 
 async def _run(cfg: BenchConfig, on_cell: Any = None) -> list[Cell]:
     timeout = aiohttp.ClientTimeout(total=max(600.0, cfg.duration_s * 10))
-    conn = aiohttp.TCPConnector(limit=0)
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
         model = cfg.model
         if model is None:

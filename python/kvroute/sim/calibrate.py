@@ -38,7 +38,7 @@ import numpy as np
 
 from kvroute.errors import KvrouteError
 from kvroute.proxy.caches import kv_capacity
-from kvroute.replay import FIRST_ID, sse_payloads
+from kvroute.replay import FIRST_ID, KEEPALIVE_S, sse_payloads
 from kvroute.sim.profile import Point, make_profile
 
 #: Tokens each decoder streams before a mixed point's prefill is sent.
@@ -357,7 +357,8 @@ async def measure_grids(
     grid order), what each engine said, and the points skipped with why.
     ``progress(grid, done, total)`` is called per grid before the first point and after
     each of its points."""
-    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as http:
+    conn = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=conn) as http:
         infos = [await probe(http, u.rstrip("/"), model) for u in urls]
         clients = [_Client(http, info, vocab_size, seed + i) for i, info in enumerate(infos)]
         # One warm-up request of each prefill size (first shapes cost extra on some backends)
