@@ -48,9 +48,10 @@ from kvroute.records import conform_records, record_schema
 from kvroute.schema import block_size_of
 
 MODES = ("tracets", "thinktime", "poisson")
-#: Idle client connections are closed after this many seconds, before the engine's server
-#: closes them (vLLM's uvicorn keeps an idle connection 5 s): a request sent on a connection
-#: the server is closing at that moment fails with "Server disconnected".
+#: Idle client connections (the replayer's, calibration's, B2's) are closed after this many
+#: seconds, before an engine's server closes them (vLLM's uvicorn keeps an idle connection
+#: 5 s): a request sent on a connection the server is closing at that moment fails with
+#: "Server disconnected".
 KEEPALIVE_S = 3.0
 FIRST_ID = 256
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -185,7 +186,7 @@ class Replayer:
     async def run(self) -> pa.Table:
         """Replay every session; the records."""
         c = self.config
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=c.request_timeout_s)
         headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
         async with aiohttp.ClientSession(
