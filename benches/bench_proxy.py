@@ -210,10 +210,12 @@ def compare(
             for load in loads:
                 got: dict[str, list[dict[str, Any]]] = {m: [] for m in ("direct", *proxies)}
                 cpu = dict.fromkeys(proxies, 0.0)
-                for _ in range(rounds):
+                for n in range(rounds):
                     per = seconds / rounds
                     got["direct"].append(runner.run(phase(engine_url, per, warmup, **load)))
-                    for mode, (proc, url) in proxies.items():
+                    # the proxies take turns at going first, so neither always follows the other
+                    order = list(proxies.items())[:: -1 if n % 2 else 1]
+                    for mode, (proc, url) in order:
                         before = cpu_seconds(proc.pid)
                         got[mode].append(runner.run(phase(url, per, warmup, **load)))
                         cpu[mode] += cpu_seconds(proc.pid) - before
@@ -360,6 +362,9 @@ def test_proxy_overhead(benchmark: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per mode")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds per load (medians over them)"
+    )
     parser.add_argument("--allow-debug", action="store_true", help="measure a debug build too")
     parser.add_argument(
         "--baseline",
@@ -382,7 +387,7 @@ def main() -> None:
         f"CPU per request, one loop: direct {cpu['direct']:.0f} µs, bare aiohttp relay "
         f"+{relay:.0f} µs, kvroute proxy +{ours:.0f} µs\n"
     )
-    rows = compare(seconds=args.seconds, baseline=args.baseline)
+    rows = compare(seconds=args.seconds, rounds=args.rounds, baseline=args.baseline)
     print(table(rows))
     if args.baseline:
         print(f"\nbaseline ({args.baseline}):\n\n" + table(rows, "baseline"))
