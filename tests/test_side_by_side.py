@@ -4,19 +4,24 @@ report must agree; the report's files, the targets and the errors."""
 
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import replace
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvroute
 from kvroute.cli import main
 from kvroute.sim import side_by_side as sbs
 from kvroute.sim.calibrate import GRIDS
 from kvroute.sim.profile import make_profile, predict
+from kvroute.sim.ties import shuffle_ties, tied_requests
 from kvroute.trace import read_trace
 from kvroute.trace_ops import shrink
 
@@ -73,8 +78,11 @@ def test_side_by_side_on_emulators(tmp_path: Path) -> None:
             records = pq.read_table(out / arm["policy"] / f"{side}.parquet")
             assert records.num_rows == 60
     assert doc["targets"]["apc_within_2_points"]
+    # The trace's head has requests at the same instant: simulated in 21 orders.
+    assert doc["tied_requests"] > 0
+    assert all(a["apc"]["sim_tie_orders"]["orders"] == 21 for a in doc["arms"])
     md = (out / "side_by_side.md").read_text()
-    assert "| unified |" in md and "Targets:" in md
+    assert "| unified |" in md and "Targets:" in md and "in 21 orders" in md
     again = CliRunner().invoke(main, [*args, "--url=http://127.0.0.1:9"])
     assert again.exit_code == 2 and "not empty" in again.output
 
@@ -107,6 +115,48 @@ def test_compare_and_its_targets() -> None:
     # Real APCs within 2 points of each other are a tie: their order may differ.
     arms[1] = sbs.Arm("b", empty, empty, summary(0.49, 1.0), summary(0.52, 1.0))
     assert sbs.compare(arms)["targets"]["apc_order_same"]
+    # The range over other orders of simultaneous arrivals includes the file order's APC.
+    arms[1].sim_tie_apcs = [0.47, 0.55]
+    ties = sbs.compare(arms)["arms"][1]["apc"]["sim_tie_orders"]
+    assert ties == {"orders": 3, "min": 0.47, "p50": 0.52, "max": 0.55, "real_outside_points": 0}
+    arms[1].sim_tie_apcs = [0.53]
+    doc = sbs.compare(arms)
+    assert doc["arms"][1]["apc"]["sim_tie_orders"]["real_outside_points"] == pytest.approx(3.0)
+    assert "sim_tie_orders" not in doc["arms"][0]["apc"]
+    md = sbs.markdown(doc)
+    assert "[52.0-53.0%]" in md and "for 0 of 1 policies (outside: b by 3.00 points)" in md
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=30), st.integers(0, 99))
+def test_shuffle_ties_reorders_only_simultaneous_sessions(
+    rows: list[tuple[int, int]], seed: int
+) -> None:
+    """Timestamp order is kept, one session's requests keep their order, and only requests
+    at one instant change places; ``tied_requests`` counts those that share an instant."""
+    trace = pa.table(
+        {
+            "request_id": pa.array(range(len(rows)), pa.int64()),
+            "timestamp": pa.array([float(t) for t, _ in rows], pa.float64()),
+            "session_id": pa.array([s for _, s in rows], pa.int64()),
+        }
+    )
+    got = shuffle_ties(trace, seed).to_pylist()
+    counts = collections.Counter(t for t, _ in rows)
+    assert tied_requests(trace) == sum(c for c in counts.values() if c > 1)
+    assert sorted(r["request_id"] for r in got) == list(range(len(rows)))
+    assert [r["timestamp"] for r in got] == sorted(float(t) for t, _ in rows)
+    by_file = sorted(range(len(rows)), key=lambda i: rows[i][0])  # stable: file order in ties
+    for session in {s for _, s in rows}:
+        mine = [i for i in by_file if rows[i][1] == session]
+        assert [r["request_id"] for r in got if r["session_id"] == session] == mine
+
+
+def test_shuffle_ties_draws_other_orders() -> None:
+    trace = pa.table({"timestamp": [0.0] * 6 + [1.0], "session_id": [5, 4, 3, 2, 1, 0, 9]})
+    orders = {
+        tuple(shuffle_ties(trace, seed).column("session_id").to_pylist()) for seed in range(8)
+    }
+    assert len(orders) > 1 and all(o[-1] == 9 for o in orders)
 
 
 def test_side_by_side_errors(tmp_path: Path) -> None:

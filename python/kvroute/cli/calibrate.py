@@ -185,6 +185,14 @@ def calibrate(
 )
 @click.option("--max-requests", type=click.IntRange(min=1), default=None)
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--tie-orders",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Also simulate the requests that arrive at the same instant in this many other "
+    "orders, and report the range of APC they give (0: only the file's order).",
+)
 @click.option("--model", default=None, help="Model name (default: the engines' first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 def side_by_side(
@@ -198,12 +206,14 @@ def side_by_side(
     time_scale: float,
     max_requests: int | None,
     seed: int,
+    tie_orders: int,
     model: str | None,
     as_json: bool,
 ) -> None:
     """Replay TRACE's policies against running engines and simulate them with a profile."""
     from kvroute.sim import side_by_side as sbs
     from kvroute.sim.profile import load_profile
+    from kvroute.sim.ties import tied_requests
     from kvroute.trace import read_trace
 
     engine = load_profile(engine_profile)
@@ -226,6 +236,7 @@ def side_by_side(
             mode=mode,
             time_scale=time_scale,
             seed=seed,
+            tie_orders=tie_orders,
             model=model,
             on_arm=on_arm,
             on_request=lambda: bar.advance(task[-1]),
@@ -238,6 +249,8 @@ def side_by_side(
         "mode": mode,
         "time_scale": time_scale,
         "seed": seed,
+        "tied_requests": tied_requests(table),
+        "tie_orders": tie_orders,
     }
     doc = sbs.write(arms, out_dir, meta)
     if as_json:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import queue
+import statistics
 import subprocess
 import sys
 import threading
@@ -30,7 +31,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from kvroute.metrics import summarize
 from kvroute.records import write_records
 from kvroute.replay import ReplayError
 from kvroute.schema import block_size_of
+from kvroute.sim.ties import shuffle_ties, tied_requests
 from kvroute.trace import read_trace
 
 #: The default arms: the study's four and LPWL.
@@ -65,6 +67,8 @@ class Arm:
     sim_records: pa.Table
     real: dict[str, Any]
     sim: dict[str, Any]
+    #: The simulated APC with the trace's simultaneous arrivals in other orders.
+    sim_tie_apcs: list[float] = field(default_factory=list)
 
 
 def scale_time(trace: pa.Table, factor: float) -> pa.Table:
@@ -179,12 +183,15 @@ def side_by_side(
     mode: str = "tracets",
     time_scale: float = 1.0,
     seed: int = 0,
+    tie_orders: int = 20,
     model: str | None = None,
     on_arm: Callable[[str], None] | None = None,
     on_request: Callable[[], None] | None = None,
 ) -> list[Arm]:
     """Every policy replayed against ``urls`` and simulated with ``engine`` (the parameters
-    of a profile, :func:`kvroute.sim.profile.load_profile`) on the same trace."""
+    of a profile, :func:`kvroute.sim.profile.load_profile`) on the same trace; where requests
+    arrive at the same instant, also simulated with them in ``tie_orders`` other orders
+    (:mod:`kvroute.sim.ties`)."""
     from kvroute import sim
 
     if not urls:
@@ -194,22 +201,32 @@ def side_by_side(
     table = read_trace(trace)
     if time_scale != 1.0:
         table = scale_time(table, time_scale)
+    if tie_orders < 0:
+        raise InvalidArgumentError(f"tie_orders must be >= 0, got {tie_orders}")
     names = sim.resolve_policies(list(policies))
-    simulated = sim.sweep(
-        table,
-        policies=names,
-        modes=[mode],
-        seeds=[seed],
-        instances=len(urls),
-        engine=dict(engine),
-        sample_interval=0.0,
-    )
+
+    def simulate(trace: pa.Table) -> list[sim.SimResult]:
+        return sim.sweep(
+            trace,
+            policies=names,
+            modes=[mode],
+            seeds=[seed],
+            instances=len(urls),
+            engine=dict(engine),
+            sample_interval=0.0,
+        )
+
+    simulated = simulate(table)
+    orders = tie_orders if tied_requests(table) else 0
+    tie_apcs = [[s.summary["apc"] for s in simulate(shuffle_ties(table, k))] for k in range(orders)]
     arms = []
-    for name, s in zip(names, simulated, strict=True):
+    for i, (name, s) in enumerate(zip(names, simulated, strict=True)):
         if on_arm is not None:
             on_arm(name)
         real = run_real(table, urls, name, mode=mode, seed=seed, model=model, on_done=on_request)
-        arms.append(Arm(name, real, s.records, summarize(real, len(urls)), s.summary))
+        arm = Arm(name, real, s.records, summarize(real, len(urls)), s.summary)
+        arm.sim_tie_apcs = [apcs[i] for apcs in tie_apcs]
+        arms.append(arm)
     return arms
 
 
@@ -229,6 +246,17 @@ def compare(arms: Sequence[Arm]) -> dict[str, Any]:
             "sim": apc_s,
             "points": None if apc_r is None or apc_s is None else 100 * (apc_s - apc_r),
         }
+        if a.sim_tie_apcs and apc_s is not None and apc_r is not None:
+            every = [apc_s, *a.sim_tie_apcs]
+            lo, hi = min(every), max(every)
+            row["apc"]["sim_tie_orders"] = {
+                "orders": len(every),
+                "min": lo,
+                "p50": statistics.median(every),
+                "max": hi,
+                # How far the real APC lies outside [min, max], in points (0: inside).
+                "real_outside_points": 100 * max(lo - apc_r, apc_r - hi, 0.0),
+            }
         for metric, q in LATENCIES:
             r, s = a.real[metric][q], a.sim[metric][q]
             row[f"{metric}_{q}"] = {"real": r, "sim": s, "rel": _rel(s, r)}
@@ -290,6 +318,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
             f"{_s(apc['real'], 100)}% / {_s(apc['sim'], 100)}% "
             f"({'-' if apc['points'] is None else format(apc['points'], '+.1f')})",
         ]
+        if "sim_tie_orders" in apc:
+            ties = apc["sim_tie_orders"]
+            cells[1] += f" [{100 * ties['min']:.1f}-{100 * ties['max']:.1f}%]"
         for m, q in LATENCIES:
             c, k = r[f"{m}_{q}"], 1e3 if m == "tpot" else 1.0
             cells.append(f"{_s(c['real'], k)} / {_s(c['sim'], k)} ({_pct(c['rel'])})")
@@ -305,6 +336,19 @@ def markdown(doc: Mapping[str, Any]) -> str:
         f"{TARGETS['apc_points']:g} points apart in the real run and ordered otherwise in the "
         f"simulation: {doc['apc_order']['flipped'] or 'none'})"
     )
+    ranges = [r["apc"]["sim_tie_orders"] for r in doc["arms"] if "sim_tie_orders" in r["apc"]]
+    if ranges:
+        outside = [
+            f"{r['policy']} by {r['apc']['sim_tie_orders']['real_outside_points']:.2f} points"
+            for r in doc["arms"]
+            if r["apc"].get("sim_tie_orders", {}).get("real_outside_points", 0.0) > 0
+        ]
+        lines.append(
+            f"[min-max]: the simulated APC with the requests that arrive at the same instant "
+            f"in {ranges[0]['orders']} orders (the file's and others drawn at random); the "
+            f"real APC is inside that range for {len(ranges) - len(outside)} of {len(ranges)} "
+            f"policies{' (outside: ' + ', '.join(outside) + ')' if outside else ''}."
+        )
     return "\n".join(lines) + "\n"
 
 
