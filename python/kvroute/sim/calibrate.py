@@ -45,6 +45,7 @@ from kvroute.sim.profile import Point, make_profile
 MIXED_WARMUP = 8
 #: Requests of a grid point fail when an answer takes longer than this.
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300.0, sock_connect=5.0)
+#: The headers of a request whose body is JSON encoded beforehand.
 JSON_HEADERS = {"Content-Type": "application/json"}
 #: Seconds between a prefill point's cached-prefix request and the measured one, so that
 #: the first request's tail (its blocks cached, its last output sent) does not run into

@@ -10,7 +10,9 @@ replayer drives the trace and its records are summarized; the simulator then run
 on the same trace with the profile's engine parameters (one parallel sweep). :func:`compare`
 sets the two summaries against each other and checks the targets: APC within 2 points, the
 policies' APC order the same (pairs whose real APCs are within those 2 points count as
-tied), TTFT p50 within 25% and p90 within 40%. Before each real arm, it waits until the
+tied), TTFT p50 within 25% and p90 within 40%; beside them, each policy's simulated APC over
+other orders of the requests that arrive at the same instant (:mod:`kvroute.sim.ties`), which
+a real run takes in whatever order they win their race. Before each real arm, it waits until the
 engines hold no request (vLLM answers a reset with 200 even when blocks in use made it
 fail).
 
@@ -224,9 +226,8 @@ def side_by_side(
         if on_arm is not None:
             on_arm(name)
         real = run_real(table, urls, name, mode=mode, seed=seed, model=model, on_done=on_request)
-        arm = Arm(name, real, s.records, summarize(real, len(urls)), s.summary)
-        arm.sim_tie_apcs = [apcs[i] for apcs in tie_apcs]
-        arms.append(arm)
+        ties = [apcs[i] for apcs in tie_apcs]
+        arms.append(Arm(name, real, s.records, summarize(real, len(urls)), s.summary, ties))
     return arms
 
 
@@ -336,18 +337,21 @@ def markdown(doc: Mapping[str, Any]) -> str:
         f"{TARGETS['apc_points']:g} points apart in the real run and ordered otherwise in the "
         f"simulation: {doc['apc_order']['flipped'] or 'none'})"
     )
-    ranges = [r["apc"]["sim_tie_orders"] for r in doc["arms"] if "sim_tie_orders" in r["apc"]]
+    ranges = {
+        r["policy"]: r["apc"]["sim_tie_orders"] for r in doc["arms"] if "sim_tie_orders" in r["apc"]
+    }
     if ranges:
         outside = [
-            f"{r['policy']} by {r['apc']['sim_tie_orders']['real_outside_points']:.2f} points"
-            for r in doc["arms"]
-            if r["apc"].get("sim_tie_orders", {}).get("real_outside_points", 0.0) > 0
+            f"{policy} by {t['real_outside_points']:.2f} points"
+            for policy, t in ranges.items()
+            if t["real_outside_points"] > 0
         ]
+        orders = next(iter(ranges.values()))["orders"]
         lines.append(
             f"[min-max]: the simulated APC with the requests that arrive at the same instant "
-            f"in {ranges[0]['orders']} orders (the file's and others drawn at random); the "
-            f"real APC is inside that range for {len(ranges) - len(outside)} of {len(ranges)} "
-            f"policies{' (outside: ' + ', '.join(outside) + ')' if outside else ''}."
+            f"in {orders} orders (the file's and others drawn at random); the real APC is "
+            f"inside that range for {len(ranges) - len(outside)} of {len(ranges)} policies"
+            f"{' (outside: ' + ', '.join(outside) + ')' if outside else ''}."
         )
     return "\n".join(lines) + "\n"
 
