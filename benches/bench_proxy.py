@@ -21,15 +21,17 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvroute.launch import Launched
 
 ROOT = Path(__file__).resolve().parents[1]
 CONCURRENCY = (1, 64, 256)
@@ -38,26 +40,13 @@ PROMPT_TOKENS = 512
 MAX_TOKENS = 16
 
 
-def spawn(*args: str, source: str | None = None) -> tuple[subprocess.Popen[str], str]:
-    """``kvroute ARGS --port 0`` in a subprocess (from the Python tree ``source`` when
-    given); the process and the URL it listens on."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if source is not None:
-        env["PYTHONPATH"] = source
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute", *args, "--port", "0"],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "listening on " in line:
-            return proc, line.rsplit(" ", 1)[1].strip()
-    proc.wait()
-    raise RuntimeError(f"kvroute {args[0]} did not start")
+def spawn(command: str, *args: str, source: str | None = None) -> Launched:
+    """``kvroute COMMAND ARGS --port 0`` in a process of its own (from the Python tree
+    ``source`` when given)."""
+    from kvroute.launch import launch
+
+    env = {"PYTHONWARNINGS": "ignore", **({"PYTHONPATH": source} if source else {})}
+    return launch(command, *args, env=env, cwd=ROOT)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -197,7 +186,8 @@ def compare(
     whose proxy runs beside this one, in its own phases (``baseline_*`` columns)."""
     from kvroute.proxy.serving import new_event_loop
 
-    engine, engine_url = spawn("engine", "--preset", "fast")
+    engine = spawn("engine", "--preset", "fast")
+    engine_url = engine.url
     proxies = {"proxy": spawn("proxy", "--backend", engine_url, "--policy", "unified")}
     if baseline is not None:
         proxies["baseline"] = spawn(
@@ -215,10 +205,10 @@ def compare(
                     got["direct"].append(runner.run(phase(engine_url, per, warmup, **load)))
                     # the proxies take turns at going first, so neither always follows the other
                     order = list(proxies.items())[:: -1 if n % 2 else 1]
-                    for mode, (proc, url) in order:
-                        before = cpu_seconds(proc.pid)
-                        got[mode].append(runner.run(phase(url, per, warmup, **load)))
-                        cpu[mode] += cpu_seconds(proc.pid) - before
+                    for mode, server in order:
+                        before = cpu_seconds(server.proc.pid)
+                        got[mode].append(runner.run(phase(server.url, per, warmup, **load)))
+                        cpu[mode] += cpu_seconds(server.proc.pid) - before
                 row: dict[str, Any] = {
                     "load": f"{load['streams']} streams"
                     if "streams" in load
@@ -240,11 +230,8 @@ def compare(
                     row[f"{mode}_cpu_us_per_request"] = cpu[mode] / max(served, 1) * 1e6
                 rows.append(row)
     finally:
-        for proc in (*(p for p, _ in proxies.values()), engine):
-            proc.terminate()
-            proc.wait(10)
-            if proc.stderr is not None:
-                proc.stderr.close()
+        for server in (*proxies.values(), engine):
+            server.stop()
     return rows
 
 

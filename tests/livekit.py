@@ -8,9 +8,6 @@ Everything listens on 127.0.0.1 with free ports; servers run in-process on a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvroute.emulator import EMULATOR, Emulator, EmulatorConfig, emulator_app
+from kvroute.launch import TAIL_LINES, Launched, launch
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.schema import trace_schema
 
@@ -63,44 +61,12 @@ def spawn(
     *args: str,
     timeout: float = 60.0,
     preexec: Callable[[], None] | None = None,
-) -> tuple[subprocess.Popen[str], str]:
-    """Start ``kvroute COMMAND --port 0 ARGS`` as a subprocess (``preexec`` runs in it before
-    kvroute starts); the process and its URL."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvroute", command, "--port", "0", *args],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        preexec_fn=preexec,
-    )
-    assert proc.stderr is not None
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        lines.append(line)
-        if "listening on " in line:
-            return proc, line.rsplit(" ", 1)[1].strip()
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    proc.wait()
-    raise AssertionError(f"kvroute {command} did not start: {''.join(lines)}")
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    """Stop a spawned server (SIGTERM, then SIGKILL) and close its pipe."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stderr is not None:
-        proc.stderr.close()
+    keep: int | None = TAIL_LINES,
+) -> Launched:
+    """``kvroute COMMAND --port 0 ARGS`` in a process of its own, without the debug-build
+    warning (``preexec`` runs in it before kvroute starts); ``.url``, ``.stop()``."""
+    env = {"PYTHONWARNINGS": "ignore"}
+    return launch(command, *args, env=env, preexec=preexec, timeout_s=timeout, keep=keep)
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
@@ -221,6 +187,5 @@ __all__ = [
     "small_trace",
     "spawn",
     "sse_events",
-    "stop",
     "wait_until",
 ]

@@ -55,20 +55,21 @@ def test_fit_keeps_terms_non_negative() -> None:
 def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     """``kvroute calibrate`` against an emulator whose terms are set gives them back within
     5%, and writes a profile that the simulator and the emulator load."""
-    from livekit import http, spawn, stop
+    from livekit import http, spawn
 
     sets = [f"--set={k}={v}" for k, v in TRUE.items() if k != "request_overhead_s"]
     sets += ["--set=block_size=32", "--set=kv_block_size=32", "--set=kv_capacity_tokens=262144"]
-    proc, url = spawn("engine", "--model", "m", *sets)
+    engine = spawn("engine", "--model", "m", *sets)
     path = tmp_path / "p.json"
-    args = ["calibrate", "--url", url, "-o", str(path), "--held-out", "none"]  # standard grid
+    # The standard grid.
+    args = ["calibrate", "--url", engine.url, "-o", str(path), "--held-out", "none"]
     args += ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
     try:
         done = CliRunner().invoke(main, args)
         assert done.exit_code == 0, done.output
         again = CliRunner().invoke(main, args)
     finally:
-        stop(proc)
+        engine.stop()
     assert again.exit_code == 2 and "--force" in again.output
     assert "step_overhead_s" in done.output and "relative error" in done.output
     doc = json.loads(path.read_text())
@@ -85,11 +86,11 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     model = kvroute.EngineModel("h20-qwen3-coder-30b-a3b", **params)
     assert model.params["step_overhead_s"] == pytest.approx(got["step_overhead_s"])
     # The emulator serves the profile, hashing prompts in its KV blocks.
-    proc, url = spawn("engine", "--model", "m", "--engine-profile", str(path))
+    engine = spawn("engine", "--model", "m", "--engine-profile", str(path))
     try:
-        metrics = http("GET", url + "/metrics")[2].decode()
+        metrics = http("GET", engine.url + "/metrics")[2].decode()
     finally:
-        stop(proc)
+        engine.stop()
     assert 'block_size="32"' in metrics and 'num_gpu_blocks="8192"' in metrics
 
 
@@ -102,9 +103,9 @@ def test_held_out_points_are_measured_between_the_fit_points() -> None:
     assert [k for k, _, _ in order] == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0, 1, 0]
     assert [p for k, _, p in order if k == 0] == fit_points
     assert [p for k, _, p in order if k == 1] == held
-    from livekit import spawn, stop
+    from livekit import spawn
 
-    proc, url = spawn("engine", "--model", "m", "--set=kv_capacity_tokens=65536")
+    engine = spawn("engine", "--model", "m", "--set=kv_capacity_tokens=65536")
     small = Grid(
         prefill=(64, 256, 512, 1024),
         cached=((512, 256),),
@@ -117,9 +118,11 @@ def test_held_out_points_are_measured_between_the_fit_points() -> None:
     other = replace(small, prefill=(128, 768), cached=(), batches=(2,))
     seen: list[tuple[str, int, int]] = []
     try:
-        doc = calibrate([url], grid=small, held_out=other, progress=lambda *a: seen.append(a))
+        doc = calibrate(
+            [engine.url], grid=small, held_out=other, progress=lambda *a: seen.append(a)
+        )
     finally:
-        stop(proc)
+        engine.stop()
     assert doc["held_out"]["error"]["all"]["points"] == 3
     assert doc["fit"]["error"]["all"]["points"] == 7
     stages = [stage for stage, done, _ in seen if done > 0]

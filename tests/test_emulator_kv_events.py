@@ -17,7 +17,7 @@ from kvroute.cli import main
 from kvroute.emulator import Emulator
 from kvroute.emulator.kv_feed import KvFeed
 from kvroute.emulator.kv_publisher import KvEventPublisher, cleared, decode_batch, removed, stored
-from livekit import Stack, http, spawn, stop, wait_until
+from livekit import Stack, http, spawn, wait_until
 
 BLOCK = 16
 #: A small pool (64 blocks of 16 tokens) so that the engine evicts.
@@ -163,24 +163,24 @@ def test_a_lost_batch_is_replayed_or_degrades_the_view(replay: bool) -> None:
 
 
 def test_kvroute_engine_publishes_kv_events() -> None:
-    proc, url = spawn("engine", "--kv-events", "--set=block_size=16", "--set=kv_block_size=16")
+    engine = spawn("engine", "--kv-events", "--set=block_size=16", "--set=kv_block_size=16")
     try:
-        sources = json.loads(http("GET", url + "/kv_event_sources")[2])
+        sources = json.loads(http("GET", engine.url + "/kv_event_sources")[2])
     finally:
-        stop(proc)
+        engine.stop()
     assert sources["0"]["endpoint"].startswith("tcp://*:")
     assert sources["0"]["replay_endpoint"].startswith("tcp://*:")
-    proc, url = spawn("engine", "--kv-events", "--no-kv-replay")
+    engine = spawn("engine", "--kv-events", "--no-kv-replay")
     try:
-        sources = json.loads(http("GET", url + "/kv_event_sources")[2])
+        sources = json.loads(http("GET", engine.url + "/kv_event_sources")[2])
     finally:
-        stop(proc)
+        engine.stop()
     assert sources["0"]["replay_endpoint"] is None
-    proc, url = spawn("engine")
+    engine = spawn("engine")
     try:
-        assert json.loads(http("GET", url + "/kv_event_sources")[2]) == {}
+        assert json.loads(http("GET", engine.url + "/kv_event_sources")[2]) == {}
     finally:
-        stop(proc)
+        engine.stop()
     done = CliRunner().invoke(main, ["engine", "--kv-events", "--engine", "simple"])
     assert done.exit_code == 2 and "kv_events needs the 'sim' engine" in done.output
 

@@ -11,7 +11,7 @@ from collections import Counter
 import aiohttp
 import openai
 
-from livekit import MODEL, Stack, http, spawn, stop
+from livekit import MODEL, Stack, http, spawn
 
 LOAD_SECONDS = 6.0
 CLIENTS = 256
@@ -155,14 +155,13 @@ def test_the_commands_in_subprocesses() -> None:
     try:
         engines = []
         for _ in range(2):
-            proc, url = spawn("engine", "--speedup", "20")
-            procs.append(proc)
-            engines.append(url)
+            procs.append(spawn("engine", "--speedup", "20"))
+            engines.append(procs[-1].url)
         args = ["--policy", "leastwork", "--admin-token", "tok", "--no-uvloop"]
         for url in engines:
             args += ["--backend", url]
-        proc, purl = spawn("proxy", *args)
-        procs.append(proc)
+        procs.append(spawn("proxy", *args))
+        purl = procs[-1].url
         with openai.OpenAI(base_url=purl + "/v1", api_key="k", max_retries=0) as c:
             out = c.completions.create(model=MODEL, prompt="hello " * 100, max_tokens=3)
             assert out.choices[0].text
@@ -173,4 +172,4 @@ def test_the_commands_in_subprocesses() -> None:
         assert "kvroute_proxy_decisions_total" in http("GET", purl + "/metrics")[2].decode()
     finally:
         for proc in procs:
-            stop(proc)
+            proc.stop()

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvroute.emulator import FaultConfig
-from livekit import MODEL, Stack, http, spawn, sse_events, stop, wait_until
+from livekit import MODEL, Stack, http, spawn, sse_events, wait_until
 
 
 def free_port() -> int:
@@ -43,10 +43,10 @@ def test_connection_refused_is_retried_on_the_next_choice() -> None:
 
 
 def test_a_backend_killed_mid_run() -> None:
-    proc, victim = spawn("engine", "--speedup", "2")
+    victim = spawn("engine", "--speedup", "2")
     try:
         with Stack(1, speedup=2, proxy={"policy": "round_robin", "health_interval_s": 60}) as s:
-            s.proxy.pool.add(victim)  # index 1: an emulator in its own process
+            s.proxy.pool.add(victim.url)  # index 1: an emulator in its own process
 
             async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str | None]:
                 body = {"prompt": [i] * 50, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -65,7 +65,7 @@ def test_a_backend_killed_mid_run() -> None:
                 async with aiohttp.ClientSession() as session:
                     tasks = [asyncio.create_task(one(session, i)) for i in range(8)]
                     await asyncio.sleep(0.6)
-                    proc.kill()
+                    victim.proc.kill()
                     return await asyncio.gather(*tasks)
 
             results = asyncio.run(run())
@@ -80,7 +80,7 @@ def test_a_backend_killed_mid_run() -> None:
             assert not s.proxy.pool.get(1).up
             s.assert_counters_zero()
     finally:
-        stop(proc)
+        victim.stop()
 
 
 def test_a_stalled_backend_times_out_then_goes_down() -> None:
@@ -219,8 +219,8 @@ def test_running_out_of_file_descriptors_is_logged_once_per_interval() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 
     args = ("--backend", "http://127.0.0.1:9")
-    proc, url = spawn("proxy", *args, preexec=few_files)
-    parts = urlsplit(url)
+    proxy = spawn("proxy", *args, preexec=few_files, keep=None)
+    parts = urlsplit(proxy.url)
     socks = []
     try:
         for _ in range(120):  # the kernel queues them; the proxy cannot take them all
@@ -229,8 +229,8 @@ def test_running_out_of_file_descriptors_is_logged_once_per_interval() -> None:
     finally:
         for sock in socks:
             sock.close()
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
+        proxy.stop()
+    err = proxy.log()
     assert 1 <= err.count("accept failed") <= 2, err[-2000:]
     assert "Too many open files" in err
     assert err.count("accept") <= 4, err[-2000:]

@@ -85,7 +85,7 @@ def test_interference_cli(tmp_path: Path) -> None:
 def test_interference_real_and_simulated_agree_on_the_emulator(tmp_path: Path) -> None:
     """The emulator runs the simulator's engine model: the simulated cells of the same
     schedule (``--engine-profile``) must come out as the measured ones."""
-    from livekit import spawn, stop
+    from livekit import spawn
     from test_side_by_side import profile
 
     prof = profile(tmp_path / "profile.json")
@@ -95,11 +95,11 @@ def test_interference_real_and_simulated_agree_on_the_emulator(tmp_path: Path) -
     args += ["--decode-prompt", "128", "--decode-tokens", "64", "--injections", "3"]
     args += ["--engine-profile", str(prof), "--out", str(out)]
     try:
-        urls = ["--decode-endpoint", procs[0][1], "--prefill-endpoint", procs[1][1]]
+        urls = ["--decode-endpoint", procs[0].url, "--prefill-endpoint", procs[1].url]
         res = CliRunner().invoke(main, [*args, *urls])
     finally:
-        for p, _ in procs:
-            stop(p)
+        for p in procs:
+            p.stop()
     assert res.exit_code == 0, res.output
     assert "real / sim" in res.output
     doc = json.loads((out / "interference.json").read_text())

@@ -49,7 +49,7 @@ def profile(path: Path) -> Path:
 
 
 def test_side_by_side_on_emulators(tmp_path: Path) -> None:
-    from livekit import spawn, stop
+    from livekit import spawn
 
     prof = profile(tmp_path / "profile.json")
     trace = shrink(read_trace(REPO / "traces" / "mooncake_conversation_head1000.jsonl"), 32, 8)
@@ -60,10 +60,10 @@ def test_side_by_side_on_emulators(tmp_path: Path) -> None:
     args = ["side-by-side", str(path), "--engine-profile", str(prof), "-o", str(out)]
     args += ["--time-scale", "0.2", "--policy", "unified,load_only,sticky"]
     try:
-        done = CliRunner().invoke(main, [*args, *(f"--url={u}" for _, u in procs)])
+        done = CliRunner().invoke(main, [*args, *(f"--url={p.url}" for p in procs)])
     finally:
-        for p, _ in procs:
-            stop(p)
+        for p in procs:
+            p.stop()
     assert done.exit_code == 0, done.output
     doc = json.loads((out / "side_by_side.json").read_text())
     assert [a["policy"] for a in doc["arms"]] == ["unified", "load_only", "sticky"]

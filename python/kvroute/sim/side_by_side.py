@@ -22,13 +22,8 @@ Blocking; runs its own replay loop and one proxy process per arm; not thread-saf
 
 from __future__ import annotations
 
-import collections
 import json
-import queue
 import statistics
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.errors import InvalidArgumentError
 from kvroute.files import write_text
+from kvroute.launch import LaunchError, launch
 from kvroute.metrics import summarize
 from kvroute.records import write_records
 from kvroute.replay import ReplayError
@@ -106,43 +102,13 @@ def wait_idle(urls: Sequence[str], timeout_s: float = 120.0) -> None:
 @contextmanager
 def proxy_process(args: Sequence[str], timeout_s: float = 60.0) -> Iterator[str]:
     """``kvroute proxy ARGS`` on a free port, in a process of its own; yields its URL and
-    stops it after. Its log is read as it comes (the last lines name why it did not start)."""
-    cmd = [sys.executable, "-m", "kvroute", "proxy", *args, "--port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-    tail: collections.deque[str] = collections.deque(maxlen=20)
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            tail.append(line)
-            lines.put(line)
-        lines.put(None)
-
-    reader = threading.Thread(target=read, name="kvroute-proxy-log", daemon=True)
-    reader.start()
+    stops it after. A proxy that does not start is an error quoting the end of its log."""
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                raise ReplayError(f"kvroute proxy did not start:\n{''.join(tail)}")
-            if "listening on " in line:
-                break
-        yield line.rsplit(" ", 1)[1].strip()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        reader.join(10)
-        assert proc.stderr is not None
-        proc.stderr.close()
+        proxy = launch("proxy", *args, timeout_s=timeout_s)
+    except LaunchError as exc:
+        raise ReplayError(str(exc)) from exc
+    with proxy:
+        yield proxy.url
 
 
 def run_real(
