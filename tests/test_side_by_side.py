@@ -32,6 +32,7 @@ TERMS = {
     "prefill_s_per_pair": 1e-8,
     "decode_s_per_seq": 5e-4,
     "decode_s_per_ctx_token": 1e-7,
+    "admit_s_per_token": 2e-6,
     "request_overhead_s": 0.002,
 }
 

@@ -26,6 +26,7 @@ _TERMS = {
     "prefill_s_per_pair": ("prefill per (token, context token)", 1e9, "ns"),
     "decode_s_per_seq": ("decode per sequence", 1e3, "ms"),
     "decode_s_per_ctx_token": ("decode per context token", 1e6, "µs"),
+    "admit_s_per_token": ("admission per prompt token", 1e6, "µs"),
     "request_overhead_s": ("request overhead", 1e3, "ms"),
 }
 

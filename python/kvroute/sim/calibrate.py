@@ -93,14 +93,25 @@ class Grid:
 GRIDS: dict[str, Grid] = {
     "standard": Grid(
         prefill=(64, 256, 512, 1024, 1536, 2048, 3072, 4096),
-        cached=((1024, 512), (2048, 512), (2048, 1024), (3072, 1024)),
+        cached=(
+            (1024, 512),
+            (2048, 512),
+            (2048, 1024),
+            (3072, 1024),
+            (1024, 32),
+            (2048, 32),
+            (3072, 32),
+            (4096, 32),
+            (6144, 32),
+            (4096, 256),
+        ),
         batches=(1, 4, 16, 32),
         contexts=(64, 1024, 2048),
         mixed=((4, 512, 512), (4, 1024, 1536), (16, 512, 1024), (16, 1024, 512)),
     ),
     "short": Grid(
         prefill=(128, 512, 1024, 2048, 3072),
-        cached=((1024, 512), (2048, 1024)),
+        cached=((1024, 512), (2048, 1024), (3072, 64)),
         batches=(1, 8, 24),
         contexts=(128, 1536),
         mixed=((8, 512, 1024),),
@@ -110,7 +121,7 @@ GRIDS: dict[str, Grid] = {
     # Sizes none of the others measures, to check a profile on points it was not fitted to.
     "held-out": Grid(
         prefill=(384, 1280, 2560),
-        cached=((1536, 768),),
+        cached=((1536, 768), (3072, 128)),
         batches=(2, 12),
         contexts=(512, 1792),
         mixed=((6, 768, 768),),

@@ -5,15 +5,16 @@ the JSON file that carries them (``kvroute calibrate`` writes it; ``kvroute simu
 A measured point is one of three kinds (``docs/simulator.md`` "Calibration"):
 
 * ``prefill``: the time to first token of a lone request on an idle engine, ``prefill_tokens``
-  new tokens after ``cached_tokens`` cached ones, in chunks of ``max_num_batched_tokens``;
+  new tokens after ``cached_tokens`` cached ones, in chunks of ``max_num_batched_tokens``
+  (admitting it costs every one of its prompt tokens, cached or not);
 * ``decode``: the gap between two tokens of ``batch`` sequences decoding together, each
   reading ``context`` tokens;
 * ``mixed``: that gap for the step that also prefills a request of ``prefill_tokens`` (the
   interference of a prefill on running decodes).
 
-Each is a linear function of the six cost terms (:data:`COST_TERMS`), so the fit is a
+Each is a linear function of the seven cost terms (:data:`COST_TERMS`), so the fit is a
 non-negative least squares on relative errors, solved exactly by trying every subset of the
-terms (2^6 small solves). O(points) per prediction; the fit O(64 · points); plain data,
+terms (2^7 small solves). O(points) per prediction; the fit O(128 · points); plain data,
 thread-safe.
 """
 
@@ -41,6 +42,7 @@ COST_TERMS = (
     "prefill_s_per_pair",
     "decode_s_per_seq",
     "decode_s_per_ctx_token",
+    "admit_s_per_token",
     "request_overhead_s",
 )
 KINDS = ("prefill", "decode", "mixed")
@@ -80,8 +82,9 @@ def features(point: Point, budget: int) -> np.ndarray:
             x[0] += 1
             x[1] += length
             x[2] += length * (start + length / 2)
+        x[5] = point.cached_tokens + point.prefill_tokens  # admitted in its first step
     if point.kind == "prefill":
-        x[5] = 1.0
+        x[6] = 1.0
     else:
         x[0] = 1.0  # one step, whatever it holds
         x[3] = point.batch

@@ -9,6 +9,7 @@
 //!   + prefill_s_per_pair      * Σ chunk · (chunk_start + chunk / 2)   (attended pairs)
 //!   + decode_s_per_seq        * decode sequences
 //!   + decode_s_per_ctx_token  * Σ context tokens read by the decodes
+//!   + admit_s_per_token       * Σ prompt tokens of the requests the step admits
 //! ```
 //!
 //! A request also spends `request_overhead_s` outside the steps (the API server's input and
@@ -54,6 +55,9 @@ pub struct EngineParams {
     pub decode_s_per_seq: f64,
     /// Cost per context token a decode reads (KV bandwidth) (s).
     pub decode_s_per_ctx_token: f64,
+    /// Cost per prompt token, cached or not, of a request the step admits: hashing its
+    /// blocks and looking its prefix up in the cache (s).
+    pub admit_s_per_token: f64,
     /// Latency a request spends outside the engine's steps (API server, HTTP) (s).
     pub request_overhead_s: f64,
 }
@@ -119,12 +123,13 @@ impl EngineParams {
             prefill_s_per_pair: per_pair * compute,
             decode_s_per_seq: H20_DECODE_PER_SEQ_S * bw,
             decode_s_per_ctx_token: QWEN3_CODER_KV_BYTES / (tbps * 1e12 * KV_READ_EFFICIENCY),
+            admit_s_per_token: 0.0,
             request_overhead_s: 0.0,
         })
     }
 
     /// Names of the settable parameters, as [`set`](Self::set) takes them.
-    pub const NAMES: [&'static str; 16] = [
+    pub const NAMES: [&'static str; 17] = [
         "block_size",
         "kv_block_size",
         "max_num_batched_tokens",
@@ -140,6 +145,7 @@ impl EngineParams {
         "prefill_s_per_pair",
         "decode_s_per_seq",
         "decode_s_per_ctx_token",
+        "admit_s_per_token",
         "request_overhead_s",
     ];
 
@@ -172,6 +178,7 @@ impl EngineParams {
             "prefill_s_per_pair" => self.prefill_s_per_pair = value,
             "decode_s_per_seq" => self.decode_s_per_seq = value,
             "decode_s_per_ctx_token" => self.decode_s_per_ctx_token = value,
+            "admit_s_per_token" => self.admit_s_per_token = value,
             "request_overhead_s" => self.request_overhead_s = value,
             _ => {
                 return Err(Error::InvalidArgument(format!(
@@ -201,6 +208,7 @@ impl EngineParams {
             ("prefill_s_per_pair", self.prefill_s_per_pair),
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+            ("admit_s_per_token", self.admit_s_per_token),
             ("request_overhead_s", self.request_overhead_s),
         ]
     }
@@ -253,6 +261,7 @@ impl EngineParams {
             ("prefill_s_per_pair", self.prefill_s_per_pair),
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+            ("admit_s_per_token", self.admit_s_per_token),
             ("request_overhead_s", self.request_overhead_s),
         ] {
             // A step then lasts at least step_overhead_s, which the simulator relies on.

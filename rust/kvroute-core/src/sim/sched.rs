@@ -139,6 +139,8 @@ impl Engine<'_> {
         let mut batch = std::mem::take(&mut self.spare);
         batch.clear();
         let mut preempted = false;
+        // Prompt tokens of the requests this step admits.
+        let mut admitted = 0u64;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let h = self.running[i];
@@ -187,6 +189,7 @@ impl Engine<'_> {
             }
             self.counters.prefix_queries += r.target;
             self.counters.prefix_hits += computed;
+            admitted += r.target;
             let n = (r.target - computed).min(budget);
             self.running.push(h);
             self.prefilling_running += 1;
@@ -213,7 +216,8 @@ impl Engine<'_> {
             + p.prefill_s_per_token * pf as f64
             + p.prefill_s_per_pair * pairs
             + p.decode_s_per_seq * dec as f64
-            + p.decode_s_per_ctx_token * ctx as f64;
+            + p.decode_s_per_ctx_token * ctx as f64
+            + p.admit_s_per_token * admitted as f64;
         self.seg = Some(Segment {
             start: now,
             end: now + dt,

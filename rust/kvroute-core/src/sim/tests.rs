@@ -83,6 +83,24 @@ fn chunked_prefill_follows_the_token_budget_and_cost_model() {
 }
 
 #[test]
+fn admission_costs_every_prompt_token_once_cached_or_not() {
+    let mut p = params(100_000);
+    p.set("admit_s_per_token", 1e-6).unwrap();
+    let mut e = Engine::new(p, false).unwrap();
+    // 20,000 tokens: admitted in the first of three steps, charged there once.
+    e.submit(0, keys(0, 40), 20_000, 1, 0.0).unwrap();
+    let evs = drain(&mut e);
+    let (_, t, _) = first_tokens(&evs)[0];
+    assert!((t - (3.0 * 0.01 + 20_000.0 * 1e-4 + 20_000.0 * 1e-6)).abs() < 1e-9, "{t}");
+    // The same prompt again: 19,999 tokens cached, one recomputed, all 20,000 admitted.
+    e.submit(1, keys(0, 40), 20_000, 1, 10.0).unwrap();
+    let evs = drain(&mut e);
+    let (_, t, cached) = first_tokens(&evs)[0];
+    let computed = (20_000 - cached) as f64;
+    assert!((t - (10.0 + 0.01 + computed * 1e-4 + 20_000.0 * 1e-6)).abs() < 1e-9, "{t}");
+}
+
+#[test]
 fn decodes_go_first_and_share_the_budget_with_a_chunk() {
     let mut p = params(1_000_000);
     p.set("max_num_batched_tokens", 1000.0).unwrap();
