@@ -62,8 +62,8 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     sets += ["--set=block_size=32", "--set=kv_block_size=32", "--set=kv_capacity_tokens=262144"]
     engine = spawn("engine", "--model", "m", *sets)
     path = tmp_path / "p.json"
-    # The standard grid.
     args = ["calibrate", "--url", engine.url, "-o", str(path), "--held-out", "none"]
+    args += ["--grid", "short"]
     args += ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
     try:
         done = CliRunner().invoke(main, args)
@@ -76,17 +76,13 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     got = doc["params"]
     off = {t: got[t] / TRUE[t] - 1 for t in COST_TERMS[:-1]}
-    admit = off.pop("admit_s_per_token")
-    # Every other term within the 5%. In nine runs here (release and dev builds, one
-    # with a core kept busy) the step and decode terms came back within 0.8% and the prefill
-    # terms within 2.3%, once the measured prefill waits SETTLE_S after its cached prefix
-    # (before, up to 4.7% here and 6.1% in a CI run).
+    # Within the 5%. In eight runs of the short grid here the step, decode and prefill
+    # terms came back within 0.9% and the admission term 1.4-3.7% high (seven runs of the
+    # standard grid: within 1.2%, and -2.0% to +4.2%): it is pulled up by what the
+    # emulator's own HTTP path costs per prompt token (the body sent and read before the
+    # engine model sees it, about 0.06 us against the 3 us set), a cost of the engine as
+    # served that the fit rightly counts.
     assert all(abs(e) <= 0.05 for e in off.values()), off
-    # The admission term comes back high by what the emulator's own HTTP path costs per
-    # prompt token (about 0.15 us against the 3 us set: 0.5 ms more between the client and
-    # the engine model for a 4,128-token prompt than for a 64-token one), a cost of the
-    # engine as served that the fit rightly counts: +3.9% to +8.3% in seven runs here.
-    assert -0.05 <= admit <= 0.12, admit
     assert got["kv_capacity_tokens"] == 262144 and got["kv_block_size"] == 32
     assert doc["fit"]["error"]["all"]["p90"] < 0.05 and "held_out" not in doc
     params = load_profile(path)

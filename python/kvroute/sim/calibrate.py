@@ -47,10 +47,12 @@ MIXED_WARMUP = 8
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300.0, sock_connect=5.0)
 #: The headers of a request whose body is JSON encoded beforehand.
 JSON_HEADERS = {"Content-Type": "application/json"}
-#: Seconds between a prefill point's cached-prefix request and the measured one, so that
-#: the first request's tail (its blocks cached, its last output sent) does not run into
-#: the measured one's clock; back to back, the emulator's fit of the per-token terms
-#: was up to 5% high.
+#: Seconds of quiet before each measured prefill, so that the request before it (the
+#: cached prefix, or the previous repeat) does not run into its clock (its blocks cached,
+#: its last output sent), and every prefill point starts from the same idle engine and
+#: client: with the quiet before the cached points only, a request after it took 0.05-0.1
+#: ms longer from client to handler on the emulator, which the fit counted as admission
+#: cost (3-6% of it).
 SETTLE_S = 0.02
 
 
@@ -212,7 +214,7 @@ class _Client:
         prompt = self.prompt(cached + new)
         if cached:
             await self.stream(prompt[:cached], 1)
-            await asyncio.sleep(SETTLE_S)
+        await asyncio.sleep(SETTLE_S)
         s = await self.stream(prompt, 1)
         return s.chunks[0] - s.sent, s.cached
 
