@@ -145,7 +145,9 @@ class Driver:
         if due - time.perf_counter() > TIMER_LEAD_S:  # a timer that fired early: set it again
             self._schedule()
             return
-        _sleep_until(due)
+        t = self.engine.next_event_time()
+        if t is not None:  # to the event itself: a wake held back by min_tick_s is late already
+            _sleep_until(min(due, self._start + t / self.speedup))
         self._last_wake = time.perf_counter()
         channels = self._channels
         self._clock = self.now()
