@@ -15,8 +15,10 @@ The engine model runs in Rust without the GIL; Ctrl-C stops a run cleanly
 (``KeyboardInterrupt``). Stateless; safe to call from several threads.
 
 The package: this module (the entry points), :mod:`kvroute.sim.run` (one run's spec and
-result, and the parallel executor) and :mod:`kvroute.sim.fidelity` (the simulator against
-the study's published tables).
+result, and the parallel executor), :mod:`kvroute.sim.fidelity` (the simulator against the
+study's published tables), :mod:`kvroute.sim.profile` and :mod:`kvroute.sim.calibrate` (an
+engine model fitted to a running engine), :mod:`kvroute.sim.side_by_side` (simulated against
+replayed on real engines) and :mod:`kvroute.sim.ties` (simultaneous arrivals in other orders).
 """
 
 from __future__ import annotations

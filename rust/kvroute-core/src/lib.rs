@@ -11,7 +11,7 @@
 //! - [`router`]: the request state machine that ties them together (`sessions`: the
 //!   session affinity map, optionally LRU-bounded).
 //! - [`ceilings`]: APC ceilings of a whole trace (parallel, rayon).
-//! - [`relay`]: the proxy's compiled data path (HTTP/1.1 relay, a thread per connection).
+//! - [`relay`]: the proxy's data path (an HTTP/1.1 relay on hyper, one event-loop thread).
 //! - [`sim`]: the cluster simulator (engines, dispatch, sweeps) around the router.
 //!
 //! The rules are those of the project's semantics page (`docs/semantics.md`).

@@ -7,7 +7,7 @@
 //! whose `stream` is absent or a boolean, and whose session field, when present, is a
 //! string without escapes, an integer that fits 64 bits, or a value of another type (no
 //! session). Anything else gives `None` and goes to the hook, which accepts, refuses and
-//! reads exactly as the Python data path does.
+//! reads exactly as the Python keyer (`kvroute.proxy.keys`) does.
 //!
 //! O(body bytes); stateless and thread-safe.
 

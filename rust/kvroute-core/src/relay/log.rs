@@ -1,7 +1,7 @@
 //! The relay's JSONL decision log: one object per routing decision (request, session,
 //! attempt, instance, backend, branch, input length, estimated hit, new prefill, and per
-//! instance the score terms seen just before the decision), in the same shape as the Python
-//! data path writes.
+//! instance the score terms seen just before the decision), the shape `docs/proxy.md`
+//! documents.
 //!
 //! Lines are buffered and written out at least once a second (on the next decision, or by
 //! [`DecisionLog::flush`]). O(instances) per decision; shared by all the relay's tasks

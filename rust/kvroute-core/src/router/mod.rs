@@ -6,9 +6,11 @@
 //! O(keys + instances). `first_token` and `finish` are O(1). The touch can go to
 //! a worker thread instead ([`Router::touch_through`], same results). Not
 //! synchronised: wrap it in a lock to share it between threads (the Python binding does).
+//!
+//! `config`: ids, the cache rule and view, [`RouterConfig`]; `instances`: availability and
+//! each instance's cache model; `kv_events`: the engines' KV-cache events view.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 
@@ -16,155 +18,21 @@ use crate::background::CacheCell;
 pub use crate::background::{TouchJob, TouchSink};
 use crate::cache::{ClusterCache, PrefixWalk};
 use crate::error::{Error, Result};
-use crate::events::{Applied, EventBatch, EventView, ViewReport};
+use crate::events::EventView;
 use crate::keys::hit_tokens;
 use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
-use crate::policy::{Policy, PolicyParams};
+use crate::policy::Policy;
 use crate::rng::SplitMix64;
 use crate::sessions::Affinity;
 
-/// Largest accepted `input_length` (2^40 tokens): far above any real prompt, and small enough
-/// that the per-instance sums cannot overflow with fewer than 2^23 requests in flight.
-pub const MAX_INPUT_LENGTH: u64 = 1 << 40;
+mod config;
+mod instances;
+mod kv_events;
 
-/// The most instances a router holds (each costs a few hundred bytes before any cache).
-pub const MAX_INSTANCES: usize = 1 << 16;
-
-/// Default of [`RouterConfig::pending_ttl`]: long enough for a prefill of a long prompt on a
-/// busy engine to store its blocks.
-pub const DEFAULT_PENDING_TTL: Duration = Duration::from_secs(10);
-
-/// A request or session id: an integer or a string, never equal to each other.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Id {
-    /// An integer id.
-    Int(i64),
-    /// A string id.
-    Str(String),
-}
-
-impl std::fmt::Display for Id {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Id::Int(i) => write!(f, "{i}"),
-            Id::Str(s) => write!(f, "{s:?}"),
-        }
-    }
-}
-
-/// Which blocks of a request an engine keeps and which can hit (docs/semantics.md §1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CacheRule {
-    /// Every key of a request is stored and may hit, the last (partial) block too: the
-    /// trace semantics of the ceilings and the simulator's router.
-    #[default]
-    Trace,
-    /// vLLM's prefix cache: only full blocks are stored, and a prompt's last token is always
-    /// recomputed, so a request of `n` tokens can hit at most `floor((n - 1) / block_size)`
-    /// blocks; blocks its output completes are stored too ([`Router::extend`]).
-    Vllm,
-}
-
-impl CacheRule {
-    /// The rule named `name` (`"trace"` or `"vllm"`).
-    pub fn from_name(name: &str) -> Result<Self> {
-        match name {
-            "trace" => Ok(Self::Trace),
-            "vllm" => Ok(Self::Vllm),
-            _ => Err(Error::InvalidArgument(format!("cache_rule must be 'trace' or 'vllm', got {name:?}"))),
-        }
-    }
-
-    /// Its name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Trace => "trace",
-            Self::Vllm => "vllm",
-        }
-    }
-
-    /// How many leading keys of a request of `input_length` tokens with `keys` keys may hit,
-    /// and how many its engine stores.
-    pub fn limits(self, keys: usize, input_length: u64, block_size: u64) -> (usize, usize) {
-        match self {
-            Self::Trace => (keys, keys),
-            Self::Vllm => {
-                let blocks =
-                    |tokens: u64| keys.min(usize::try_from(tokens / block_size).unwrap_or(usize::MAX));
-                (blocks(input_length.saturating_sub(1)), blocks(input_length))
-            }
-        }
-    }
-}
-
-/// What the router believes each instance's cache holds (docs/kv-events.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CacheView {
-    /// The router's own model: an LRU per instance fed by its routing decisions.
-    #[default]
-    Estimate,
-    /// The engines' KV-cache events wherever they are applied and whole; the estimate for the
-    /// other instances.
-    Events,
-}
-
-impl CacheView {
-    /// The view named `name` (`"estimate"` or `"events"`).
-    pub fn from_name(name: &str) -> Result<Self> {
-        match name {
-            "estimate" => Ok(Self::Estimate),
-            "events" => Ok(Self::Events),
-            _ => Err(Error::InvalidArgument(format!(
-                "cache_view must be 'estimate' or 'events', got {name:?}"
-            ))),
-        }
-    }
-
-    /// Its name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Estimate => "estimate",
-            Self::Events => "events",
-        }
-    }
-}
-
-/// How a router is set up.
-#[derive(Debug, Clone)]
-pub struct RouterConfig {
-    /// Tokens per block key.
-    pub block_size: u64,
-    /// Keys each instance's cache holds; `None` = unbounded.
-    pub cache_capacity_blocks: Option<usize>,
-    /// Which blocks are stored and can hit.
-    pub cache_rule: CacheRule,
-    /// Sessions whose affinity is kept (the most recently routed); `None` = every session.
-    pub max_sessions: Option<usize>,
-    /// Seed of the RNG used by `random`, `power_of_two` and `dynamo_cost`.
-    pub seed: u64,
-    /// Policy parameters.
-    pub params: PolicyParams,
-    /// The cache view routing reads.
-    pub cache_view: CacheView,
-    /// With the events view: how long a routed request's blocks count as held by the instance
-    /// chosen before an event confirms them (zero: not at all).
-    pub pending_ttl: Duration,
-}
-
-impl Default for RouterConfig {
-    fn default() -> Self {
-        Self {
-            block_size: 512,
-            cache_capacity_blocks: None,
-            cache_rule: CacheRule::Trace,
-            max_sessions: None,
-            seed: 0,
-            params: PolicyParams::default(),
-            cache_view: CacheView::Estimate,
-            pending_ttl: DEFAULT_PENDING_TTL,
-        }
-    }
-}
+pub use config::{
+    CacheRule, CacheView, Id, RouterConfig, DEFAULT_PENDING_TTL, MAX_INPUT_LENGTH, MAX_INSTANCES,
+};
+use kv_events::merge;
 
 /// The outcome of one `route`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -457,84 +325,6 @@ impl Router {
         merged.iter().map(|&m| hit_tokens(u64::from(m), self.config.block_size, input_length)).collect()
     }
 
-    /// A snapshot of every instance.
-    pub fn state(&self) -> Vec<InstanceState> {
-        let cache = self.cache.lock();
-        self.loads
-            .iter()
-            .enumerate()
-            .map(|(i, l)| InstanceState {
-                load: l.clone(),
-                cached_blocks: match &self.events {
-                    Some(e) if e.uses_events(i) => e.cached_blocks(i),
-                    _ => cache.cached_blocks(i),
-                },
-                cache_view: self.events.as_ref().map_or("estimate", |e| e.source(i)),
-            })
-            .collect()
-    }
-
-    /// Mark an instance up or down. Down instances take no new requests; their in-flight
-    /// requests, counters and cache model stay until those requests finish.
-    pub fn set_available(&mut self, instance: i64, available: bool) -> Result<()> {
-        let i = self.check_instance(instance)?;
-        let load = &mut self.loads[i];
-        if load.available != available {
-            let (sum, count) = &mut self.available_totals;
-            if available {
-                *sum += load.num_requests;
-                *count += 1;
-            } else {
-                *sum -= load.num_requests;
-                *count -= 1;
-            }
-            load.available = available;
-        }
-        Ok(())
-    }
-
-    /// Whether `instance` takes part in picks (false for an index out of range).
-    pub fn is_available(&self, instance: usize) -> bool {
-        self.loads.get(instance).is_some_and(|l| l.available)
-    }
-
-    /// Add an available instance with an empty cache; returns its index. An error when the
-    /// router already has [`MAX_INSTANCES`].
-    pub fn add_instance(&mut self) -> Result<usize> {
-        if self.loads.len() >= MAX_INSTANCES {
-            return Err(Error::InvalidArgument(format!("a router holds at most {MAX_INSTANCES} instances")));
-        }
-        self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
-        self.available_totals.1 += 1;
-        if let Some(e) = &mut self.events {
-            e.add_instance();
-        }
-        Ok(self.cache.lock().add_instance())
-    }
-
-    /// Empty an instance's cache model (its engine's prefix cache was reset). Its counters
-    /// and in-flight requests stay.
-    pub fn clear_cache(&mut self, instance: i64) -> Result<()> {
-        let i = self.check_instance(instance)?;
-        self.cache.lock().clear_instance(i);
-        Ok(())
-    }
-
-    /// Bound `instance`'s estimate view to `capacity` blocks (`None`: unbounded), such as its
-    /// engine's real KV capacity; its least recently touched blocks beyond it are evicted. The
-    /// events view sizes its tables for it.
-    pub fn set_cache_capacity(&mut self, instance: i64, capacity: Option<usize>) -> Result<()> {
-        let i = self.check_instance(instance)?;
-        if capacity == Some(0) {
-            return Err(Error::InvalidArgument("a cache capacity must be positive or None, got 0".into()));
-        }
-        self.cache.lock().set_capacity(i, capacity);
-        if let (Some(e), Some(blocks)) = (&mut self.events, capacity) {
-            e.reserve(i, blocks);
-        }
-        Ok(())
-    }
-
     /// From now on, hand the cache model's touches to `sink` whenever its worker thread is
     /// idle (results stay identical; see `background.rs`). For a caller with other work
     /// between routes and a core to spare, such as the simulator.
@@ -552,80 +342,6 @@ impl Router {
         self.affinity.len()
     }
 
-    /// Keys resident on an instance, most recent first.
-    pub fn cached_keys(&self, instance: i64) -> Result<Vec<u64>> {
-        Ok(self.cache.lock().keys_mru(self.check_instance(instance)?))
-    }
-
-    /// Apply one batch of `instance`'s KV-cache events (`seq`: its sequence number; `replayed`:
-    /// it came from the engine's replay socket). Needs [`CacheView::Events`].
-    pub fn apply_kv_events(
-        &mut self,
-        instance: i64,
-        seq: u64,
-        batch: &EventBatch,
-        replayed: bool,
-    ) -> Result<Applied> {
-        let i = self.check_instance(instance)?;
-        let applied = self.events_mut()?.apply(i, seq, batch, replayed);
-        if applied.reset {
-            self.cache.lock().clear_instance(i); // a restarted engine holds nothing
-        }
-        if applied.degraded {
-            self.estimate_from_events(i);
-        }
-        Ok(applied)
-    }
-
-    /// The estimate takes over `i`'s routing from the blocks its events view held last (the
-    /// estimate is not kept while the events view is read).
-    fn estimate_from_events(&mut self, i: usize) {
-        let Some(keys) = self.events.as_mut().and_then(|e| e.take_dropped(i)) else {
-            return; // not newly degraded: the estimate already routes it
-        };
-        let mut cache = self.cache.lock();
-        cache.clear_instance(i);
-        let none = PrefixWalk::default();
-        for key in keys {
-            cache.touch_request(i, &[key], &none);
-        }
-    }
-
-    /// `instance`'s `rank` missed batches that cannot be replayed: its view turns degraded
-    /// and takes the next batch as a new start (docs/kv-events.md).
-    pub fn kv_resync(&mut self, instance: i64, rank: u32, reason: &str) -> Result<()> {
-        let i = self.check_instance(instance)?;
-        self.events_mut()?.resync(i, rank, reason.to_string());
-        self.estimate_from_events(i);
-        Ok(())
-    }
-
-    /// `instance`'s engine restarted: drop its events view (and estimate) until its sequence
-    /// 0 comes.
-    pub fn kv_reset(&mut self, instance: i64) -> Result<()> {
-        let i = self.check_instance(instance)?;
-        self.events_mut()?.reset(i);
-        self.cache.lock().clear_instance(i);
-        Ok(())
-    }
-
-    /// `instance`'s events view, or `None` with the estimate view.
-    pub fn kv_view(&self, instance: i64) -> Result<Option<ViewReport>> {
-        let i = self.check_instance(instance)?;
-        Ok(self.events.as_ref().map(|e| e.report(i)))
-    }
-
-    /// The events view, if the router has one (for inspection and memory accounting).
-    pub fn event_view(&self) -> Option<&EventView> {
-        self.events.as_ref()
-    }
-
-    fn events_mut(&mut self) -> Result<&mut EventView> {
-        self.events
-            .as_mut()
-            .ok_or_else(|| Error::InvalidArgument("KV events need a router with cache_view='events'".into()))
-    }
-
     /// The keys of a request that may hit, by the cache rule.
     fn lookup<'k>(&self, keys: &'k [u64], input_length: u64) -> &'k [u64] {
         &keys[..self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size).0]
@@ -641,19 +357,6 @@ impl Router {
             .filter(|&i| i < self.loads.len())
             .ok_or(Error::UnknownInstance { index: instance, count: self.loads.len() })
     }
-}
-
-/// Per instance, the events view's match where routing reads it, else the estimate's
-/// (`estimate` may be empty when every instance reads the events view).
-fn merge(out: &mut Vec<u32>, events: &[u32], estimate: &[u32], on_events: impl Fn(usize) -> bool) {
-    out.clear();
-    out.extend(events.iter().enumerate().map(|(i, &m)| {
-        if on_events(i) {
-            m
-        } else {
-            estimate.get(i).copied().unwrap_or(0)
-        }
-    }));
 }
 
 #[cfg(test)]
