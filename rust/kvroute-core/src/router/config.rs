@@ -45,7 +45,8 @@ pub enum CacheRule {
     Trace,
     /// vLLM's prefix cache: only full blocks are stored, and a prompt's last token is always
     /// recomputed, so a request of `n` tokens can hit at most `floor((n - 1) / block_size)`
-    /// blocks; blocks its output completes are stored too ([`Router::extend`]).
+    /// blocks; blocks its output completes are stored too
+    /// ([`Router::extend`](super::Router::extend)).
     Vllm,
 }
 

@@ -10,7 +10,8 @@ use crate::events::{Applied, EventBatch, EventView, ViewReport};
 
 impl Router {
     /// Apply one batch of `instance`'s KV-cache events (`seq`: its sequence number; `replayed`:
-    /// it came from the engine's replay socket). Needs [`CacheView::Events`].
+    /// it came from the engine's replay socket). Needs
+    /// [`CacheView::Events`](super::CacheView::Events).
     pub fn apply_kv_events(
         &mut self,
         instance: i64,
