@@ -1,5 +1,6 @@
-"""Pass 2's keys: the packed key layout and the bijective mix that turns a packed
-``(session, writer turn, position)`` or ``(prefix id, position)`` into a 64-bit key.
+"""Pass 2's keys: the bijective mix that turns a packed ``(session, writer turn, position)``
+or ``(prefix id, position)`` into a 64-bit key (the layout's field widths are in
+:mod:`~kvroute.synth.profiles`).
 
 :func:`chunk_keys` computes a chunk's keys from the plan's scalars alone, O(keys of the
 chunk) time and memory.
@@ -7,22 +8,10 @@ chunk) time and memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from kvroute.synth.profiles import BLOCK_SIZE, I64, U64
-
-if TYPE_CHECKING:
-    from kvroute.synth.plan import Plan
-
-# Packed key layout (then XOR-salted and mixed, both bijections of uint64):
-#   session blocks: bit 63 = 0 | session (30 bits) | writer turn (17 bits) | position (16)
-#   prefix blocks:  bit 63 = 1 | prefix id (47 bits)                        | position (16)
-_POS_BITS = 16
-_TURN_BITS = 17
-SESSION_BITS = 30
-MAX_TURNS = (1 << _TURN_BITS) - 1
+from kvroute.synth.plan import Plan
+from kvroute.synth.profiles import BLOCK_SIZE, I64, POS_BITS, TURN_BITS, U64
 
 
 def _mix(x: U64) -> U64:
@@ -54,11 +43,11 @@ def chunk_keys(plan: Plan, rows: I64, salt: np.uint64) -> tuple[I64, U64]:
     writer = plan.turn[rows][rk]
     look = (pos >= pblocks) & (pos < inh)
     writer[look] = plan.table[plan.tab_start[rows][rk][look] + pos[look] - pblocks[look]]
-    packed: U64 = plan.sid[sess][rk].astype(np.uint64) << np.uint64(_POS_BITS + _TURN_BITS)
-    packed |= writer.astype(np.uint64) << np.uint64(_POS_BITS)
+    packed: U64 = plan.sid[sess][rk].astype(np.uint64) << np.uint64(POS_BITS + TURN_BITS)
+    packed |= writer.astype(np.uint64) << np.uint64(POS_BITS)
     packed |= pos.astype(np.uint64)
     pref = pos < pblocks
-    pref_packed: U64 = plan.prefix_id[sess][rk][pref].astype(np.uint64) << np.uint64(_POS_BITS)
+    pref_packed: U64 = plan.prefix_id[sess][rk][pref].astype(np.uint64) << np.uint64(POS_BITS)
     pref_packed |= pos[pref].astype(np.uint64)
     pref_packed |= np.uint64(1 << 63)
     packed[pref] = pref_packed

@@ -12,8 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvroute.errors import InvalidArgumentError
-from kvroute.synth.keys import SESSION_BITS
-from kvroute.synth.profiles import B1, BLOCK_SIZE, F64, I64, Profile
+from kvroute.synth.profiles import B1, BLOCK_SIZE, F64, I64, SESSION_BITS, Profile
 from kvroute.synth.sampling import inverse_rate, lognormal, prefixes, trunc_lognormal, turn_counts
 
 

@@ -1,7 +1,8 @@
 """The trace shapes :func:`kvroute.synth.synthesize` draws from: the fixed constants (block
-size, KV bytes per token), :class:`Profile` (every parameter of a shape), :class:`Target`
-(a study number to compare against), the two profiles in :data:`PROFILES`, and the numpy
-array aliases the generator's modules share. Data only.
+size, KV bytes per token, the packed key layout's field widths), :class:`Profile` (every
+parameter of a shape), :class:`Target` (a study number to compare against), the two
+profiles in :data:`PROFILES`, and the numpy array aliases the generator's modules share.
+Data only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import numpy.typing as npt
 BLOCK_SIZE = 512
 #: The study's KV table: Qwen3-Coder-30B-A3B, 2 x 48 layers x 4 KV heads x 128 x 2 bytes.
 KV_BYTES_PER_TOKEN = 98304
+
+# Packed key layout (then XOR-salted and mixed, both bijections of uint64; see keys.py):
+#   session blocks: bit 63 = 0 | session (30 bits) | writer turn (17 bits) | position (16)
+#   prefix blocks:  bit 63 = 1 | prefix id (47 bits)                        | position (16)
+# The widths bound a plan's sessions and turns per session.
+POS_BITS = 16
+TURN_BITS = 17
+SESSION_BITS = 30
+MAX_TURNS = (1 << TURN_BITS) - 1
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]

@@ -9,8 +9,7 @@ import math
 
 import numpy as np
 
-from kvroute.synth.keys import MAX_TURNS
-from kvroute.synth.profiles import F64, I64, Profile
+from kvroute.synth.profiles import F64, I64, MAX_TURNS, Profile
 
 
 def lognormal(rng: np.random.Generator, median: float, sigma: float, n: int) -> F64:

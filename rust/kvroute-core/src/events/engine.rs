@@ -17,8 +17,8 @@
 use rustc_hash::FxHashMap;
 
 use super::index::ClusterIndex;
+use super::pending::Pending;
 use super::table::Table;
-use super::view::Pending;
 use super::{EventBatch, KvEvent, StoredBlocks};
 use crate::keys::{hash_block, ROOT_SEED};
 

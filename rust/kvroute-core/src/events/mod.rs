@@ -4,11 +4,13 @@
 //! - [`decode`]: a batch as vLLM publishes it (msgpack, both the map and the array encodings
 //!   of its events), decoded with the `rmp` crate into [`EventBatch`].
 //! - `index.rs`: the cluster index `key -> holders`, walked once per request as the estimate
-//!   view is, and the pending blocks of routed requests that no event has confirmed yet.
+//!   view is.
+//! - `pending.rs`: the pending blocks of routed requests that no event has confirmed yet.
 //! - `engine.rs`: one engine's view per data-parallel rank: the map from the engine's opaque
 //!   block hashes to kvroute keys, the sequence cursor, and the view's state (complete,
 //!   partial, degraded).
-//! - `view.rs`: [`EventView`], the two together as the router uses them.
+//! - `view.rs`: [`EventView`], the index, the ranks' views and the pending blocks together
+//!   as the router uses them.
 //!
 //! vLLM's block hashes depend on its hash function and seed, so they are kept as opaque ids;
 //! a stored block's kvroute key is derived from its parent's key and its token ids exactly as
@@ -19,6 +21,7 @@
 pub mod decode;
 mod engine;
 mod index;
+mod pending;
 mod table;
 mod view;
 

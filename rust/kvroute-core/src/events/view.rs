@@ -1,5 +1,5 @@
 //! [`EventView`]: the router's events view of every instance: its ranks' views, the cluster
-//! index they feed, and the pending blocks of routed requests.
+//! index they feed, and the pending blocks of routed requests (`pending.rs`).
 //!
 //! A routed request's blocks count as held by the instance chosen for `pending_ttl` from the
 //! moment it is routed (its prefill has not stored them yet), unless an event confirms them
@@ -9,13 +9,12 @@
 //! `apply` is O(blocks of the batch × holders); `predict` O(keys) amortised (each mark expires
 //! once); `walk` as the index's. Not synchronised.
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::engine::{Outcome, RankReport, RankView, ViewState};
 use super::index::ClusterIndex;
+use super::pending::Pending;
 use super::EventBatch;
-use crate::index::KeyIndex;
 
 /// What applying one batch did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,68 +40,6 @@ pub struct ViewReport {
     pub pending: usize,
 }
 
-/// Pending memberships: per instance, key -> deadline (ms since `epoch`), and their expiry
-/// queue in deadline order.
-#[derive(Debug, Clone)]
-pub(crate) struct Pending {
-    ttl_ms: u64,
-    epoch: Instant,
-    marks: Vec<KeyIndex<u64>>,
-    queue: VecDeque<(u64, u32, u64)>,
-}
-
-impl Pending {
-    fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-
-    /// An event stored `key` on `inst`: if it was pending, its membership is the event's
-    /// now (returns true: the caller adds none).
-    pub fn confirm(&mut self, inst: usize, key: u64) -> bool {
-        self.marks[inst].len() > 0 && self.marks[inst].remove(key)
-    }
-
-    fn predict(&mut self, inst: usize, keys: &[u64], ix: &mut ClusterIndex) {
-        if self.ttl_ms == 0 {
-            return;
-        }
-        let deadline = self.now_ms() + self.ttl_ms;
-        for &key in keys {
-            if let Some(d) = self.marks[inst].get_mut(key) {
-                *d = deadline;
-            } else if ix.holds(key, inst) {
-                continue; // confirmed by an event
-            } else {
-                self.marks[inst].insert(key, deadline);
-                ix.add(key, inst);
-            }
-            self.queue.push_back((deadline, inst as u32, key));
-        }
-    }
-
-    fn expire(&mut self, ix: &mut ClusterIndex) {
-        let now = self.now_ms();
-        while let Some(&(deadline, inst, key)) = self.queue.front() {
-            if deadline > now {
-                break;
-            }
-            self.queue.pop_front();
-            let marks = &mut self.marks[inst as usize];
-            if marks.get(key) == Some(deadline) {
-                marks.remove(key);
-                ix.remove(key, inst as usize);
-            }
-        }
-    }
-
-    fn clear(&mut self, inst: usize, ix: &mut ClusterIndex) {
-        for (key, _) in self.marks[inst].iter() {
-            ix.remove(key, inst);
-        }
-        self.marks[inst] = KeyIndex::default();
-    }
-}
-
 /// The events view of a cluster (see the module doc).
 #[derive(Debug, Clone)]
 pub struct EventView {
@@ -121,17 +58,11 @@ impl EventView {
     /// A view of `instances` instances with nothing applied, for keys of `block_size` tokens;
     /// routed blocks stay pending for `pending_ttl` (zero: no predictions).
     pub fn new(instances: usize, block_size: u64, pending_ttl: Duration) -> Self {
-        let pending = Pending {
-            ttl_ms: pending_ttl.as_millis() as u64,
-            epoch: Instant::now(),
-            marks: Vec::new(),
-            queue: VecDeque::new(),
-        };
         let mut view = Self {
             index: ClusterIndex::default(),
             engines: Vec::new(),
             uses: Vec::new(),
-            pending,
+            pending: Pending::new(pending_ttl),
             block_size,
             capacities: Vec::new(),
         };
@@ -144,7 +75,7 @@ impl EventView {
         self.engines.push(Vec::new());
         self.uses.push(false);
         self.capacities.push(0);
-        self.pending.marks.push(KeyIndex::default());
+        self.pending.add_instance();
         self.index.grow_to(self.engines.len());
     }
 
@@ -261,15 +192,14 @@ impl EventView {
             uses_events: self.uses_events(inst),
             ranks: self.engines[inst].iter().map(RankView::snapshot).collect(),
             blocks: self.index.held(inst),
-            pending: self.pending.marks[inst].len(),
+            pending: self.pending.held(inst),
         }
     }
 
     /// Bytes of the view's tables: the cluster index, every rank's hash map, pending marks.
     pub fn memory_bytes(&self) -> usize {
         let ranks: usize = self.engines.iter().flatten().map(RankView::memory_bytes).sum();
-        let marks: usize = self.pending.marks.iter().map(KeyIndex::memory_bytes).sum();
-        self.index.memory_bytes() + ranks + marks + self.pending.queue.capacity() * 24
+        self.index.memory_bytes() + ranks + self.pending.memory_bytes()
     }
 }
 

@@ -14,36 +14,28 @@
 //! take a round-trip), O(keys + instances) under the router lock per attempt, O(bytes) for
 //! the relay; the request's future and its answer's body are polled by its connection's task.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
-use tokio::sync::OwnedSemaphorePermit;
-use tokio::task::JoinHandle;
 
+use super::job::{output, At, Job};
 use super::log::{Record, Terms};
 use super::pool::{Failure, Upstream};
 use super::reply::{error, error_json, full, json, Out};
-use super::server::{relayed, Request};
-use super::stats::{BackendStats, ErrorKind};
+use super::request::{relayed, Request};
+use super::stats::ErrorKind;
 use super::stream::Relayed;
 use super::usage::usage;
-use super::{Backend, Keyed, Refusal, Shared};
+use super::{Keyed, Refusal, Shared};
 use crate::jobs::locked;
-use crate::keys::sequence_keys;
 use crate::{Decision, Error, Id};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
-/// The longest answer whose output is modelled (longer ones are relayed all the same).
-pub(super) const MAX_OUTPUT: usize = 16 << 20;
 
 /// An attempt that failed before any byte reached the client.
 struct Fail {
@@ -88,66 +80,6 @@ impl Fail {
     }
 }
 
-/// One request's place in the router, from its routing to its end: finished in the router
-/// when dropped; dropped before it was settled, the client went away.
-pub(super) struct Job {
-    pub sh: Arc<Shared>,
-    rid: Id,
-    number: i64,
-    keyed: Keyed,
-    pub t0: Instant,
-    settled: bool,
-    _slot: OwnedSemaphorePermit,
-}
-
-impl Job {
-    /// The request has its answer (or the client needs none): not a disconnect.
-    pub fn settle(&mut self) {
-        self.settled = true;
-    }
-
-    /// Record in the router the blocks the engine stored for this request's output (vLLM
-    /// keeps the blocks it completes), from the token ids the hooks found in its answer.
-    pub fn record_output(&self, got: Option<(Vec<u32>, u64)>) {
-        let (Some((ids, generated)), Some(tail)) = (got, &self.keyed.tail) else { return };
-        let (k, bs) = (&self.keyed, self.sh.config.block_size);
-        let keys = sequence_keys(&k.keys, k.input_length, tail, &ids, generated, bs);
-        if keys.len() as u64 > k.input_length / bs as u64 {
-            locked(&self.sh.router).extend(&self.rid, &keys);
-        }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        if !self.settled {
-            self.sh.stats.error(ErrorKind::ClientDisconnect);
-        }
-        locked(&self.sh.router).finish(&self.rid);
-    }
-}
-
-/// The backend an attempt went to.
-pub(super) struct At {
-    pub instance: usize,
-    pub backend: Arc<Backend>,
-    pub bs: Arc<BackendStats>,
-}
-
-impl At {
-    /// The backend failed a request: the hooks hear of it.
-    pub fn failure(&self, sh: &Shared) {
-        self.backend.failing.store(true, Ordering::SeqCst);
-        sh.hooks.failure(self.instance);
-    }
-
-    fn success(&self, sh: &Shared) {
-        if self.backend.failing.swap(false, Ordering::SeqCst) {
-            sh.hooks.success(self.instance);
-        }
-    }
-}
-
 /// Forward one generation request; its answer.
 pub(super) async fn forward(sh: Arc<Shared>, req: Request, chat: bool) -> Response<Out> {
     let keyed = match key(&sh, &req, chat).await {
@@ -162,16 +94,7 @@ pub(super) async fn forward(sh: Arc<Shared>, req: Request, chat: bool) -> Respon
     let Ok(slot) = Arc::clone(&sh.forwarding).acquire_owned().await else {
         return error(503, "the proxy is stopping", "service_unavailable");
     };
-    let number = sh.next_request.fetch_add(1, Ordering::Relaxed);
-    let mut job = Job {
-        sh: Arc::clone(&sh),
-        rid: Id::Int(number),
-        number,
-        keyed,
-        t0: req.t0,
-        settled: false,
-        _slot: slot,
-    };
+    let mut job = Job::new(&sh, keyed, req.t0, slot);
     let answer = run(&job, &req).await;
     match answer {
         Answer::Whole(r) => {
@@ -382,39 +305,4 @@ async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Re
     at.bs.ttft.observe(job.t0.elapsed());
     at.success(sh);
     Ok(Answer::Stream { head, up, upstream, first, at, model })
-}
-
-/// The token ids an answer generated and how many tokens it sampled, as the hooks read
-/// them: at once, or on the blocking pool when the hooks may wait on the network.
-pub(super) enum Output {
-    Now(Option<(Vec<u32>, u64)>),
-    Later(JoinHandle<Option<(Vec<u32>, u64)>>),
-}
-
-impl Future for Output {
-    type Output = Option<(Vec<u32>, u64)>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.get_mut() {
-            Output::Now(got) => Poll::Ready(got.take()),
-            Output::Later(h) => Pin::new(h).poll(cx).map(|got| got.ok().flatten()),
-        }
-    }
-}
-
-/// Whether an answer carries the engine's token ids (`"token_ids"`).
-pub(super) fn has_token_ids(answer: &[u8]) -> bool {
-    super::usage::find(answer, "\"token_ids\"", false).is_some()
-}
-
-/// Start reading the output of `answer` (`stream`: an SSE body) with the hooks.
-pub(super) fn output(sh: &Arc<Shared>, answer: Vec<u8>, stream: bool) -> Output {
-    if !sh.config.output_from_text && !has_token_ids(&answer) {
-        return Output::Now(None); // nothing the hooks could read the output's ids from
-    }
-    if !sh.hooks.key_may_block() {
-        return Output::Now(sh.hooks.output(&answer, stream));
-    }
-    let hooks = Arc::clone(&sh.hooks);
-    Output::Later(tokio::task::spawn_blocking(move || hooks.output(&answer, stream)))
 }

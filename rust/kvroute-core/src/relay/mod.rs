@@ -3,11 +3,15 @@
 //!
 //! - [`body`]: keying a token-id completions body without the hooks.
 //! - [`connect`]: backend addresses (TCP and Unix sockets) and connecting to them.
+//! - `request`: a client's request as the relay holds it, the headers not passed on, and
+//!   errors as one line.
 //! - `pool`: keep-alive connections on hyper's HTTP/1.1 client, driven by their requests.
+//! - `job`: one generation request's books: its place in the router, the backend an attempt
+//!   went to, its output read by the hooks.
+//! - `stream`: a streamed answer's body, relayed frame by frame.
+//! - `forward`: one generation request: key, route, send, retry, answer, finish.
 //! - `server`: client connections on hyper's server: reading requests, refusing bad ones,
 //!   relaying the side application's requests.
-//! - `forward`: one generation request: key, route, send, retry, answer, finish.
-//! - `stream`: a streamed answer's body, relayed frame by frame.
 //! - `reply`: answer bodies and JSON error bodies.
 //! - [`stats`]: counters and histograms for the metrics; `usage`: the usage an answer
 //!   reports; `log`: the JSONL decision log.
@@ -27,9 +31,11 @@
 pub mod body;
 pub mod connect;
 mod forward;
+mod job;
 mod log;
 mod pool;
 mod reply;
+mod request;
 mod server;
 pub mod stats;
 mod stream;

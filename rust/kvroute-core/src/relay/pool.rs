@@ -35,6 +35,7 @@ use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 
 use super::connect::{Address, Stream};
+use super::request::describe;
 use crate::jobs::locked;
 
 /// Why a request got no answer, or an answer no body.
@@ -131,7 +132,7 @@ impl Upstream {
             self.feed(cx, |cx, ended| match answer.as_mut().poll(cx) {
                 Poll::Pending if ended => Poll::Ready(Err("the connection closed".to_string())),
                 Poll::Pending => Poll::Pending,
-                Poll::Ready(got) => Poll::Ready(got.map_err(|e| super::server::describe(&e))),
+                Poll::Ready(got) => Poll::Ready(got.map_err(|e| describe(&e))),
             })
         })
         .await;
@@ -158,7 +159,7 @@ impl Upstream {
             match tokio::time::timeout(timeout, frame).await {
                 Err(_) => return Err(Failure::Timeout),
                 Ok(None) => return Ok(None),
-                Ok(Some(Err(e))) => return Err(Failure::Failed(super::server::describe(&e))),
+                Ok(Some(Err(e))) => return Err(Failure::Failed(describe(&e))),
                 Ok(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) if !data.is_empty() => return Ok(Some(data)),
                     _ => {}

@@ -27,7 +27,7 @@ use hyper::body::Incoming;
 use hyper::body::{Body, Frame};
 use tokio::time::Sleep;
 
-use super::forward::{output, At, Job, Output, MAX_OUTPUT};
+use super::job::{output, At, Job, Output, MAX_OUTPUT};
 use super::pool::Upstream;
 use super::reply::error_json;
 use super::stats::ErrorKind;

@@ -6,18 +6,9 @@
 //! another thread. O(requests in the segment + keys registered); part of [`Engine`]'s
 //! single-threaded state machine.
 
-use super::engine::{Engine, EngineEvent, FinishInfo};
-
-/// A pool operation left for [`Engine::settle`], in segment order.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum KvOp {
-    /// A decode run's request: its blocks for the run's tokens.
-    Grow(u32),
-    /// A prefill chunk computed: cache the keys it filled.
-    Register(u32),
-    /// A finished request: release its blocks.
-    Release(u32),
-}
+use super::engine::Engine;
+use super::events::{EngineEvent, FinishInfo};
+use super::segment::KvOp;
 
 impl Engine<'_> {
     /// End the segment in progress: tokens out, finishes, next segment planned.

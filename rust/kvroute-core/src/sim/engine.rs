@@ -11,10 +11,10 @@
 use std::borrow::Cow;
 use std::collections::VecDeque;
 
-use super::commit::KvOp;
 pub use super::events::{EngineCounters, EngineEvent, EngineStats, FinishInfo, Reject};
 use super::kv::{KvPool, PoolEvent};
 use super::params::EngineParams;
+use super::segment::KvOp;
 pub(super) use super::segment::Segment;
 use crate::error::Result;
 

@@ -1,6 +1,7 @@
 //! The segment an engine is in: one step, or a closed-form run of decode-only steps whose
-//! j-th step lasts `a + s·(j-1)`. O(1) to query (a square root and two corrections);
-//! plain data.
+//! j-th step lasts `a + s·(j-1)`; and [`KvOp`], the pool's share of a finished segment that
+//! its commit (`commit.rs`) leaves for the second phase. O(1) to query (a square root and
+//! two corrections); plain data.
 
 /// The segment in progress: `steps` steps from `start`, step j (1-based) lasting
 /// `a + s · (j - 1)`. A plain step has `steps = 1`; a decode run has `run = true`.
@@ -46,4 +47,15 @@ impl Segment {
         }
         k
     }
+}
+
+/// A pool operation left for the engine's `settle` (`commit.rs`), in segment order.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum KvOp {
+    /// A decode run's request: its blocks for the run's tokens.
+    Grow(u32),
+    /// A prefill chunk computed: cache the keys it filled.
+    Register(u32),
+    /// A finished request: release its blocks.
+    Release(u32),
 }
