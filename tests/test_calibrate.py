@@ -1,19 +1,29 @@
 """Calibration (``kvroute.sim.calibrate``, ``kvroute.sim.profile``): the fit recovers known
-cost terms, from exact points and from the emulator (whose terms are set), and profiles load
-with clear errors."""
+cost terms, from exact points and from the emulator (whose terms are set, measured on its own
+clock so that the host's load cannot move them); a fast engine is measured; points that fail
+are tried again, then skipped and listed; profiles load with clear errors."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 import kvroute
 from kvroute.cli import main
-from kvroute.sim.calibrate import GRIDS, CalibrationError, Grid, _interleave, calibrate
+from kvroute.launch import Launched
+from kvroute.sim.calibrate import (
+    GRIDS,
+    CalibrationError,
+    Grid,
+    _interleave,
+    calibrate,
+    warnings_of,
+)
 from kvroute.sim.profile import (
     COST_TERMS,
     FORMAT,
@@ -53,17 +63,26 @@ def test_fit_keeps_terms_non_negative() -> None:
     assert all(v >= 0 for v in got.values()), got
 
 
+def _emulator(*extra: str) -> Launched:
+    """An emulator whose cost terms are :data:`TRUE`, in blocks of 32 tokens."""
+    from livekit import spawn
+
+    sets = [f"--set={k}={v}" for k, v in TRUE.items()]
+    sets += ["--set=block_size=32", "--set=kv_block_size=32", "--set=kv_capacity_tokens=262144"]
+    return spawn("engine", "--model", "m", *sets, *extra)
+
+
 def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
-    """``kvroute calibrate`` against an emulator whose terms are set gives them back within
-    5%, and writes a profile that the simulator and the emulator load."""
+    """``kvroute calibrate --clock engine`` against an emulator whose terms are set gives
+    every one of them back, and writes a profile that the simulator and the emulator load.
+    On the engine's clock the host's load cannot move what is measured: within 0.02% here,
+    idle or with three processes spinning on the two cores."""
     from livekit import http, spawn
 
-    sets = [f"--set={k}={v}" for k, v in TRUE.items() if k != "request_overhead_s"]
-    sets += ["--set=block_size=32", "--set=kv_block_size=32", "--set=kv_capacity_tokens=262144"]
-    engine = spawn("engine", "--model", "m", *sets)
+    engine = _emulator()
     path = tmp_path / "p.json"
     args = ["calibrate", "--url", engine.url, "-o", str(path), "--held-out", "none"]
-    args += ["--grid", "short"]
+    args += ["--grid", "short", "--clock", "engine"]
     args += ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
     try:
         done = CliRunner().invoke(main, args)
@@ -75,16 +94,12 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     assert "step_overhead_s" in done.output and "relative error" in done.output
     doc = json.loads(path.read_text())
     got = doc["params"]
-    off = {t: got[t] / TRUE[t] - 1 for t in COST_TERMS[:-1]}
-    # Within the issue's 5%. In eight runs of the short grid here the step, decode and prefill
-    # terms came back within 0.9% and the admission term 1.4-3.7% high (seven runs of the
-    # standard grid: within 1.2%, and -2.0% to +4.2%): it is pulled up by what the
-    # emulator's own HTTP path costs per prompt token (the body sent and read before the
-    # engine model sees it, about 0.06 us against the 3 us set), a cost of the engine as
-    # served that the fit rightly counts.
-    assert all(abs(e) <= 0.05 for e in off.values()), off
+    off = {t: got[t] / TRUE[t] - 1 for t in COST_TERMS}
+    assert all(abs(e) <= 0.01 for e in off.values()), off
     assert got["kv_capacity_tokens"] == 262144 and got["kv_block_size"] == 32
-    assert doc["fit"]["error"]["all"]["p90"] < 0.05 and "held_out" not in doc
+    assert doc["fit"]["error"]["all"]["max"] < 0.01 and "held_out" not in doc
+    assert doc["engine"]["skipped"] == [] and doc["warnings"] == []
+    assert doc["engine"]["clock"] == "engine"
     params = load_profile(path)
     model = kvroute.EngineModel("h20-qwen3-coder-30b-a3b", **params)
     assert model.params["step_overhead_s"] == pytest.approx(got["step_overhead_s"])
@@ -95,6 +110,123 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     finally:
         engine.stop()
     assert 'block_size="32"' in metrics and 'num_gpu_blocks="8192"' in metrics
+
+
+def test_a_fast_engine_is_measured(tmp_path: Path) -> None:
+    """An engine that decodes a token every 50 us (the fast preset at ten times real time)
+    is calibrated on the client's clock: its chunks carry many tokens each, which count as
+    such, and decode points whose requests did not stream long enough together are tried
+    again with more tokens: the run completes, with decode points measured, and every point
+    is either measured or listed as skipped. (How close the fit comes is not held here: on
+    the wall clock a busy host moves it.)"""
+    from livekit import spawn
+
+    engine = spawn("engine", "--model", "m", "--preset", "fast", "--speedup", "10")
+    path = tmp_path / "p.json"
+    try:
+        done = CliRunner().invoke(main, ["calibrate", "--url", engine.url, "-o", str(path)])
+    finally:
+        engine.stop()
+    assert done.exit_code == 0, done.output
+    doc = json.loads(path.read_text())
+    points = len(GRIDS["standard"].points()) + len(GRIDS["held-out"].points())
+    measured = doc["fit"]["error"]["all"]["points"] + doc["held_out"]["error"]["all"]["points"]
+    assert measured + len(doc["engine"]["skipped"]) == points, doc["engine"]["skipped"]
+    assert doc["fit"]["error"]["decode"]["points"] >= 1, doc["engine"]["skipped"]
+    assert all(p["context"] > 0 for p in doc["fit"]["points"] if p["kind"] == "decode")
+
+
+def test_a_point_that_cannot_be_measured_is_skipped_and_listed() -> None:
+    """An engine that runs one request at a time (though said to run 128) cannot decode a
+    batch of two together: that point is tried with more tokens, then skipped and listed,
+    and the rest of the grid is fitted, with a warning where a kind lacks points."""
+    engine = _emulator("--set=max_num_seqs=1")
+    grid = Grid(
+        prefill=(64, 256, 512, 1024, 2048),
+        cached=((1024, 32), (2048, 512)),
+        batches=(1, 2),
+        contexts=(64,),
+        mixed=(),
+        decode_tokens=8,
+        repeats=1,
+    )
+    try:
+        doc = calibrate([engine.url], grid=grid, clock="engine", max_num_batched_tokens=8192)
+    finally:
+        engine.stop()
+    (skipped,) = doc["engine"]["skipped"]
+    assert skipped.startswith("decode ") and "batch=2" in skipped
+    assert "did not decode together" in skipped and "tries up to" in skipped, skipped
+    assert doc["fit"]["error"]["decode"]["points"] == 1
+    assert doc["fit"]["error"]["all"]["points"] == len(grid.points()) - 1
+
+
+def test_failed_points_are_tried_again_and_a_failing_engine_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A point that fails (an error answer, a lost connection) is tried again; one that
+    fails every try is skipped and listed; an engine that fails points three times in a
+    row is given up while the others measure the rest; a run whose every engine was given
+    up is an error."""
+    from kvroute.sim import calibrate as cal
+
+    monkeypatch.setattr(cal, "RETRY_PAUSE_S", 0.0)
+    real = cal._measure_one
+    calls: dict[str, int] = {}
+
+    async def flaky(c: Any, point: Point, grid: Grid, max_num_seqs: int) -> Point:
+        calls[c.info.url] = calls.get(c.info.url, 0) + 1
+        if c.info.url == bad.url or (c.info.url == good.url and calls[good.url] == 1):
+            raise CalibrationError(f"{c.info.url} answered 500: injected")
+        return await real(c, point, grid, max_num_seqs)
+
+    monkeypatch.setattr(cal, "_measure_one", flaky)
+    grid = Grid(
+        prefill=(64, 128, 256, 512, 1024, 2048),
+        cached=((1024, 32), (2048, 512)),
+        batches=(1, 2),
+        contexts=(64,),
+        mixed=(),
+        decode_tokens=8,
+        repeats=1,
+    )
+    good, bad = _emulator(), _emulator()
+    try:
+        doc = calibrate([good.url, bad.url], grid=grid, clock="engine")
+        bad_tries = calls[bad.url]
+        with pytest.raises(CalibrationError, match="every engine was given up"):
+            calibrate([bad.url], grid=grid, clock="engine")
+    finally:
+        good.stop()
+        bad.stop()
+    skipped = doc["engine"]["skipped"]
+    assert len(skipped) == cal.MAX_FAILED_IN_ROW + 1, skipped
+    assert all("injected (3 tries)" in s for s in skipped[:-1]), skipped
+    assert skipped[-1] == f"{bad.url}: given up after 3 failed points in a row"
+    assert bad_tries == cal.MAX_FAILED_IN_ROW * cal.POINT_TRIES
+    # The good engine's first try failed and its second was measured.
+    points = len(grid.points())
+    assert doc["fit"]["error"]["all"]["points"] == points - cal.MAX_FAILED_IN_ROW
+
+
+def test_warnings_name_the_kinds_a_profile_cannot_be_trusted_for() -> None:
+    grid = GRIDS["short"]
+    points = [replace(p, seconds=predict(TRUE, p, 2048)) for p in grid.points()]
+    # Decode points measured 60% slower than the terms say: the fit cannot follow them all.
+    held = [
+        replace(p, seconds=predict(TRUE, p, 2048) * (1.6 if p.kind == "decode" else 1.0))
+        for p in GRIDS["held-out"].points()
+    ]
+    scheduler = {"max_num_batched_tokens": 2048, "max_num_seqs": 8}
+    doc = make_profile(points, engine={}, scheduler=scheduler, held_out=held)
+    (warning,) = warnings_of(doc, [grid])
+    assert warning.startswith("the profile is not to be trusted for decode steps")
+    assert "held-out decode points 37% off" in warning, warning
+    no_mixed = [p for p in points if p.kind != "mixed"]
+    doc = make_profile(no_mixed, engine={}, scheduler=scheduler)
+    assert warnings_of(doc, [grid]) == [
+        "no mixed point was measured: the profile's mixed terms are not fitted"
+    ]
 
 
 def test_held_out_points_are_measured_between_the_fit_points() -> None:
@@ -122,7 +254,11 @@ def test_held_out_points_are_measured_between_the_fit_points() -> None:
     seen: list[tuple[str, int, int]] = []
     try:
         doc = calibrate(
-            [engine.url], grid=small, held_out=other, progress=lambda *a: seen.append(a)
+            [engine.url],
+            grid=small,
+            held_out=other,
+            clock="engine",
+            progress=lambda *a: seen.append(a),
         )
     finally:
         engine.stop()

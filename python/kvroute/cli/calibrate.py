@@ -99,6 +99,22 @@ def _errors(doc: dict[str, Any]) -> Table:
     help="Token ids of the random prompts are drawn below this.",
 )
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--decode-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Tokens each decoder of a decode or mixed point streams on its first try "
+    "[default: the grid's, 24-32]; a point whose decoders did not stream long enough "
+    "together is tried again with more.",
+)
+@click.option(
+    "--clock",
+    default="wall",
+    show_default=True,
+    type=click.Choice(["wall", "engine"]),
+    help="Time chunks as they arrive (wall), or by the engine's own stamps (engine: "
+    "`kvroute engine` only; a measurement the host's load cannot move).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the profile instead of tables.")
 def calibrate(
     urls: tuple[str, ...],
@@ -111,6 +127,8 @@ def calibrate(
     max_num_seqs: int,
     vocab_size: int,
     seed: int,
+    decode_tokens: int | None,
+    clock: str,
     as_json: bool,
 ) -> None:
     """Measure running OpenAI-compatible engines and fit the simulator's engine model."""
@@ -139,6 +157,8 @@ def calibrate(
             max_num_seqs=max_num_seqs,
             vocab_size=vocab_size,
             seed=seed,
+            decode_tokens=decode_tokens,
+            clock="engine" if clock == "engine" else "wall",
             progress=progress,
         )
     text = json.dumps(doc, indent=2) + "\n"
@@ -150,7 +170,9 @@ def calibrate(
     console.print(_summary(doc))
     console.print(_errors(doc))
     for why in doc["engine"]["skipped"]:
-        console.print(f"[dim]skipped: {why}[/dim]")
+        console.print(f"skipped: {why}", style="dim", markup=False)
+    for warning in doc["warnings"]:
+        console.print(f"warning: {warning}", style="yellow", markup=False)
     console.print(f"[dim]wrote {out}[/dim]")
 
 

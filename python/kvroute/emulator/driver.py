@@ -10,7 +10,10 @@ the loop at most that long, while it would idle), so that events reach their req
 about 0.2 ms of their engine time. A submit that makes the next event earlier moves the
 timer. A request may be submitted as of when it arrived (``arrived``: before the
 server parsed and hashed it), so the server's own work does not add to the engine's times;
-the engine's clock still only moves forward.
+the engine's clock still only moves forward. A request submitted ``stepwise`` gets the
+events of each engine step apart, each at its step's time, however late a wake comes (while
+one is active the driver advances the engine event by event; otherwise once per wake, and
+an engine may report the steps since the last wake as one event).
 
 Cost per wake: O(events); per request: O(1) channel work. Loop-affine: every method must be
 called on the loop's thread.
@@ -36,12 +39,14 @@ def _sleep_until(wall: float) -> None:
 
 
 class Channel:
-    """The events of one request, in order; one reader."""
+    """The events of one request, in order; one reader. ``arrived``: the engine time the
+    request was submitted at."""
 
-    __slots__ = ("_events", "_loop", "_waiter")
+    __slots__ = ("_events", "_loop", "_waiter", "arrived")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, arrived: float = 0.0) -> None:
         self._loop = loop
+        self.arrived = arrived
         self._events: list[EngineEvent] = []
         self._waiter: asyncio.Future[None] | None = None
 
@@ -78,6 +83,8 @@ class Driver:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._channels: dict[RequestId, Channel] = {}
+        #: Requests that want each step's events apart (see the module doc).
+        self._stepwise: set[RequestId] = set()
         #: The latest engine time given to the engine.
         self._clock = 0.0
 
@@ -104,22 +111,39 @@ class Driver:
         input_length: int,
         output_length: int,
         arrived: float | None = None,
+        stepwise: bool = False,
     ) -> Channel:
         """Submit a request at engine time ``arrived`` (default now; never before the last
-        time the engine was given); its events arrive on the returned channel."""
-        channel = Channel(self._loop)
+        time the engine was given); its events arrive on the returned channel, each step's
+        apart with ``stepwise``."""
         at = self.now() if arrived is None else min(max(arrived, self._clock), self.now())
         self._clock = at
+        channel = Channel(self._loop, at)
         self.engine.submit(request_id, hash_ids, input_length, output_length, at)
         self._channels[request_id] = channel
+        if stepwise:
+            self._stepwise.add(request_id)
         self._schedule()
         return channel
 
     def cancel(self, request_id: RequestId) -> None:
         """Drop a request (client gone); no-op when it already finished."""
+        self._stepwise.discard(request_id)
         if self._channels.pop(request_id, None) is not None:
             self.engine.cancel(request_id)
             self._schedule()
+
+    def _advance(self, now: float) -> list[EngineEvent]:
+        """The engine's events up to ``now``: event by event while a stepwise request is
+        active, else in one call."""
+        if not self._stepwise:
+            return self.engine.advance(now)
+        events: list[EngineEvent] = []
+        last = float("-inf")
+        while (t := self.engine.next_event_time()) is not None and last < t < now:
+            events += self.engine.advance(t)
+            last = t
+        return events + self.engine.advance(now)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -151,11 +175,12 @@ class Driver:
         self._last_wake = time.perf_counter()
         channels = self._channels
         self._clock = self.now()
-        for ev in self.engine.advance(self._clock):
+        for ev in self._advance(self._clock):
             ch = channels.get(ev.request_id)
             if ch is None:
                 continue
             ch.push(ev)
             if ev.kind == "finish":
                 del channels[ev.request_id]
+                self._stepwise.discard(ev.request_id)
         self._schedule()

@@ -1,8 +1,11 @@
 """The emulator's HTTP server: an OpenAI-compatible stand-in for one vLLM engine.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming or not;
-``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stream_options.include_usage``; usage with
-``prompt_tokens_details.cached_tokens``), ``POST /tokenize``, ``GET /v1/models``,
+``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stream_options.include_usage``,
+``return_token_ids``; usage with ``prompt_tokens_details.cached_tokens``; a request with the
+``X-Kvroute-Engine-Clock`` header is streamed a chunk per engine step, each with its engine
+time, and told its arrival's in ``X-Kvroute-Engine-Arrived``: what a client needs to time the
+engine model exactly, whatever the host's load), ``POST /tokenize``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (vLLM names, :mod:`kvroute.emulator.prom`), ``POST
 /reset_prefix_cache`` (vLLM dev mode's) and ``GET /kv_event_sources`` (``{}`` unless
 ``kv_events``: then the engine model's stores, evictions and resets are published as vLLM's
@@ -40,7 +43,15 @@ from kvroute.emulator.faults import FaultConfig
 from kvroute.emulator.kv_feed import KvFeed
 from kvroute.emulator.kv_publisher import KvEventPublisher
 from kvroute.emulator.prom import EmulatorMetrics
-from kvroute.emulator.responses import DONE, Reply, token_text, usage
+from kvroute.emulator.responses import (
+    DONE,
+    ENGINE_ARRIVED_HEADER,
+    ENGINE_CLOCK_HEADER,
+    Reply,
+    token_ids,
+    token_text,
+    usage,
+)
 from kvroute.emulator.sim_engine import SimEngine
 from kvroute.errors import KvrouteError
 from kvroute.proxy.prompts import (
@@ -214,6 +225,9 @@ class Emulator:
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise BadRequest("'stream_options' must be an object", "stream_options")
+            want_ids = body.get("return_token_ids", False)
+            if not isinstance(want_ids, bool):
+                raise BadRequest("'return_token_ids' must be a boolean", "return_token_ids")
         except BadRequest as exc:
             return self._error(400, str(exc), exc.param)
         except KvrouteError as exc:
@@ -239,7 +253,8 @@ class Emulator:
         rid = next(self._ids)
         t0 = time.perf_counter()
         try:
-            channel = self.driver.submit(rid, keys, len(ids), n_out, arrived)
+            clock = stream and ENGINE_CLOCK_HEADER in request.headers
+            channel = self.driver.submit(rid, keys, len(ids), n_out, arrived, stepwise=clock)
         except KvrouteError as exc:
             return self._error(400, f"the engine refused the request: {exc}")
         if self.kv_feed is not None:
@@ -251,7 +266,15 @@ class Emulator:
             if stream:
                 include = bool(options.get("include_usage", False))
                 return await self._stream(
-                    request, channel, reply, len(ids), reason, include, die_after
+                    request,
+                    channel,
+                    reply,
+                    len(ids),
+                    reason,
+                    include,
+                    die_after,
+                    ids=want_ids,
+                    clock=clock,
                 )
             sent, cached = 0, 0
             while True:
@@ -267,7 +290,8 @@ class Emulator:
                 return self._die(request, web.Response())
             self._done(sent, reason, t0)
             u = usage(len(ids), sent, cached, self.config.prompt_tokens_details)
-            return web.json_response(reply.whole(token_text(0, sent), reason, u))
+            out_ids = token_ids(0, sent) if want_ids else None
+            return web.json_response(reply.whole(token_text(0, sent), reason, u, out_ids))
         finally:
             self.driver.cancel(rid)
             if self.kv_feed is not None:
@@ -301,29 +325,61 @@ class Emulator:
         reason: str,
         include_usage: bool,
         die_after: int | None,
+        *,
+        ids: bool = False,
+        clock: bool = False,
     ) -> web.StreamResponse:
+        """Stream the request's tokens: one chunk per wake of the driver (tokens due
+        together go out together), or per engine step with ``clock``, each chunk stamped
+        with its ``engine_time``; the token ids in each with ``ids``."""
         t0 = time.perf_counter()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream"}
+        if clock:
+            headers[ENGINE_ARRIVED_HEADER] = repr(channel.arrived)
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
+        overhead = self.request_overhead_s
         sent, cached, finished = 0, 0, False
+        last: tuple[int, float] = (0, 0.0)  # the final chunk's tokens and their time
         while not finished:
             events = await self._next(channel)
-            n = 0
             for ev in events:
-                n += ev.tokens
                 if ev.kind == "first_token":
                     cached = ev.cached_tokens
                     self.metrics.ttft.observe(time.perf_counter() - t0)
             finished = events[-1].kind == "finish"
-            if die_after is not None and sent + n >= die_after:
-                if die_after > sent:
-                    await resp.write(reply.text_chunk(token_text(sent, die_after - sent)))
-                return self._die(request, resp)
-            if n and not finished:
-                chunk = reply.text_chunk(token_text(sent, n))
-                await resp.write(reply.role_chunk() + chunk if reply.chat and not sent else chunk)
-            sent += n
-        tail = reply.final_chunk(reason, token_text(sent - n, n) if n else "")
+            if clock:
+                pieces = [(ev.tokens, ev.time + overhead) for ev in events if ev.tokens]
+            else:
+                pieces = [(sum(ev.tokens for ev in events), events[-1].time + overhead)]
+            if finished:
+                last = pieces.pop() if pieces else (0, events[-1].time + overhead)
+                pieces.append(last)
+            for k, (n, t) in enumerate(pieces):
+                if die_after is not None and sent + n >= die_after:
+                    if die_after > sent:
+                        await resp.write(reply.text_chunk(token_text(sent, die_after - sent)))
+                    return self._die(request, resp)
+                if finished and k == len(pieces) - 1:
+                    break  # the final chunk's tokens
+                if n:
+                    chunk = reply.text_chunk(
+                        token_text(sent, n),
+                        token_ids(sent, n) if ids else None,
+                        t if clock else None,
+                    )
+                    if reply.chat and not sent:
+                        chunk = reply.role_chunk() + chunk
+                    await resp.write(chunk)
+                sent += n
+        n, t = last
+        tail = reply.final_chunk(
+            reason,
+            token_text(sent, n) if n else "",
+            token_ids(sent, n) if ids else None,
+            t if clock else None,
+        )
+        sent += n
         if reply.chat and sent == n:
             tail = reply.role_chunk() + tail
         if include_usage:

@@ -5,21 +5,30 @@ engine``) on a documented grid and fit the simulator's engine model to them
 Every prompt is made of random token ids drawn for that request alone, so nothing a point
 sends was cached before it unless the point caches it on purpose (its ``cached_tokens``
 prefix, sent once first); engines that serve ``POST /reset_prefix_cache`` are also reset
-before each point. Requests go to ``/v1/completions`` with ``ignore_eos``, streamed, timed on
-the monotonic clock when each chunk arrives. What a point measures:
+before each point. Requests go to ``/v1/completions`` with ``ignore_eos`` and
+``return_token_ids`` (so a chunk that carries several tokens counts as several), streamed,
+timed on the monotonic clock when each chunk arrives, or with ``clock="engine"`` on the
+engine's own clock (``kvroute engine`` stamps its chunks: a measurement that the host's load
+cannot move). What a point measures:
 
 * ``prefill``: the first-token time of one request, the median of ``repeats`` tries;
 * ``decode``: ``batch`` prompts prefilled once, then sent again together (so only their last
   blocks are computed and they start decoding at once); once all have their first token,
-  the time per token of each (its chunks' span over their count) up to the first finish;
-  the median;
+  the time per token of each (its chunks' span over the tokens in it) up to the first
+  finish; the median;
 * ``mixed``: ``batch`` decoding requests, started as for ``decode``; when each has streamed
   ``MIXED_WARMUP`` tokens, one prefill is sent; the longest gap of each decoder while it is
   prefilled; the median.
 
+A decode or mixed point whose decoders did not stream long enough together (a fast engine, or
+requests that reached it far apart) is tried again with as many more tokens per decoder as
+the try showed it needs (:data:`GROWTHS` times at most, while the context and the KV pool
+allow); a point that still fails, or fails otherwise :data:`POINT_TRIES` times, is skipped
+and listed, and an engine that fails :data:`MAX_FAILED_IN_ROW` points in a row is given up.
 The grid's points are spread over the engines (each engine runs one point at a time; the
 fit assumes the engines are alike). A held-out grid is measured in the same pass, its points
 interleaved with the fitted grid's, so that the machine's drift during a run reaches both.
+The profile lists warnings where its errors say it cannot be trusted (:func:`warnings_of`).
 O(grid tokens) of prompts; one asyncio loop.
 """
 
@@ -27,19 +36,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import numpy as np
 
-from kvroute.errors import KvrouteError
+from kvroute.emulator.responses import ENGINE_ARRIVED_HEADER, ENGINE_CLOCK_HEADER
+from kvroute.errors import InvalidArgumentError, KvrouteError
 from kvroute.proxy.caches import kv_capacity
 from kvroute.replay import FIRST_ID, KEEPALIVE_S, sse_payloads
-from kvroute.sim.profile import Point, make_profile
+from kvroute.sim.profile import KINDS, Point, make_profile
 
 #: Tokens each decoder streams before a mixed point's prefill is sent.
 MIXED_WARMUP = 8
@@ -54,10 +65,37 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 #: ms longer from client to handler on the emulator, which the fit counted as admission
 #: cost (3-6% of it).
 SETTLE_S = 0.02
+#: A decoder's time per token is read from at least this many tokens, in at least
+#: ``MIN_WINDOW_CHUNKS`` chunks, streamed while the whole batch decodes.
+MIN_WINDOW_TOKENS = 8
+MIN_WINDOW_CHUNKS = 3
+#: How many times a decode or mixed point may be tried again with more tokens per decoder.
+GROWTHS = 4
+#: How many times a point that fails otherwise (an error answer, a lost connection) is tried.
+POINT_TRIES = 3
+#: Seconds between two tries of a failed point.
+RETRY_PAUSE_S = 1.0
+#: An engine whose points fail this many times in a row is given up.
+MAX_FAILED_IN_ROW = 3
+#: A profile whose error on a kind's points (fitted or held out) has a median above this
+#: warns that it cannot be trusted for that kind of step.
+TRUST_P50 = 0.25
+
+Clock = Literal["wall", "engine"]
+_T = TypeVar("_T")
 
 
 class CalibrationError(KvrouteError, RuntimeError):
     """An engine cannot be calibrated: it does not answer, or lacks what the fit needs."""
+
+
+class PointError(CalibrationError):
+    """One point could not be measured as it is (``tokens_needed``: how many tokens per
+    decoder the try suggests would do, or None)."""
+
+    def __init__(self, message: str, tokens_needed: int | None = None) -> None:
+        super().__init__(message)
+        self.tokens_needed = tokens_needed
 
 
 @dataclass(frozen=True)
@@ -147,18 +185,42 @@ class EngineInfo:
 
 @dataclass
 class _Stream:
+    """One streamed request: when it was sent, when each chunk with tokens came and how many
+    tokens it carried, and the cached tokens its usage reported."""
+
     sent: float
     chunks: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     cached: int = 0
+
+    def window(self, start: float, end: float) -> tuple[float, int] | None:
+        """The seconds per token of this stream's chunks within ``[start, end]``, and the
+        tokens that reading spans; None with fewer than ``MIN_WINDOW_CHUNKS`` chunks there."""
+        inside = [i for i, t in enumerate(self.chunks) if start <= t <= end]
+        if len(inside) < MIN_WINDOW_CHUNKS:
+            return None
+        tokens = sum(self.tokens[i] for i in inside[1:])
+        return (self.chunks[inside[-1]] - self.chunks[inside[0]]) / tokens, tokens
 
 
 class _Client:
     """Requests of one calibration run to one engine."""
 
-    def __init__(self, http: aiohttp.ClientSession, info: EngineInfo, vocab: int, seed: int):
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        info: EngineInfo,
+        vocab: int,
+        seed: int,
+        clock: Clock = "wall",
+    ):
         self.http, self.info = http, info
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
+        self.clock = clock
+        self.headers = dict(JSON_HEADERS)
+        if clock == "engine":
+            self.headers[ENGINE_CLOCK_HEADER] = "1"
 
     def prompt(self, n: int) -> list[int]:
         """``n`` token ids no other request gets (with overwhelming probability)."""
@@ -174,19 +236,27 @@ class _Client:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "return_token_ids": True,
         }
         data = json.dumps(body).encode()  # before the clock starts: not the engine's time
         s = out or _Stream(time.perf_counter())
         url = self.info.url + "/v1/completions"
+        engine_clock = self.clock == "engine"
         try:
-            async with self.http.post(url, data=data, headers=JSON_HEADERS) as resp:
+            async with self.http.post(url, data=data, headers=self.headers) as resp:
                 if resp.status != 200:
                     text = (await resp.text()).strip()[:300]
                     raise CalibrationError(f"{url} answered {resp.status}: {text}")
+                if engine_clock:
+                    s.sent = _engine_arrival(resp.headers.get(ENGINE_ARRIVED_HEADER), url)
                 async for payload in sse_payloads(resp):
                     obj = _json(payload, url)
                     if obj.get("choices"):
-                        s.chunks.append(time.perf_counter())
+                        now = _engine_time(obj, url) if engine_clock else time.perf_counter()
+                        n = _chunk_tokens(obj["choices"][0])
+                        if n:
+                            s.chunks.append(now)
+                            s.tokens.append(n)
                     usage = obj.get("usage")
                     if usage:
                         details = usage.get("prompt_tokens_details")
@@ -222,23 +292,23 @@ class _Client:
         """``batch`` prompts of ``context`` tokens, prefilled once first, so that a batch of
         them starts decoding together (only each prompt's last block is computed again)."""
         prompts = [self.prompt(context) for _ in range(batch)]
-        await asyncio.gather(*(self.stream(p, 1) for p in prompts))
+        await _all(self.stream(p, 1) for p in prompts)
         return prompts
 
     async def decode(self, batch: int, context: int, tokens: int) -> float:
         prompts = await self.cached_prompts(batch, context)
-        streams = await asyncio.gather(*(self.stream(p, tokens) for p in prompts))
+        streams = await _all(self.stream(p, tokens) for p in prompts)
         start = max(s.chunks[0] for s in streams)
         end = min(s.chunks[-1] for s in streams)
-        per_token = []
-        for s in streams:
-            window = [t for t in s.chunks if start <= t <= end]
-            if len(window) >= 3:
-                per_token.append((window[-1] - window[0]) / (len(window) - 1))
-        if not per_token:
-            raise CalibrationError(
+        windows = [w for s in streams if (w := s.window(start, end)) is not None]
+        per_token = [t for t, n in windows if n >= MIN_WINDOW_TOKENS]
+        if len(per_token) * 2 < batch:  # the median must be one of the batch's readings
+            common = min((n for _, n in windows), default=0)
+            raise PointError(
                 f"{self.info.url}: decode point batch {batch}: the requests did not decode "
-                "together (too few tokens in common)"
+                f"together long enough ({common} of {tokens} tokens in common, "
+                f"{MIN_WINDOW_TOKENS} needed)",
+                _tokens_needed(streams),
             )
         return statistics.median(per_token)
 
@@ -270,11 +340,68 @@ class _Client:
             if during:
                 gaps.append(max(during))
         if not gaps:
-            raise CalibrationError(
+            raise PointError(
                 f"{self.info.url}: mixed point batch {batch}: the decoders ended before the "
-                "prefill ran; raise the grid's decode_tokens"
+                f"prefill ran ({tokens} tokens each)",
+                _tokens_needed(decoders, p.chunks[0] - p.sent),
             )
         return statistics.median(gaps)
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Every coroutine's result; when one fails, the others are cancelled (a failed try
+    leaves no request running into the next)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _tokens_needed(streams: Sequence[_Stream], extra_s: float = 0.0) -> int | None:
+    """Tokens per decoder that would make ``streams`` decode together for
+    ``MIN_WINDOW_TOKENS`` tokens and ``extra_s`` seconds more, with a margin: from the spread
+    of their first tokens and their time per token; None when they show no rate."""
+    rates = [
+        (s.chunks[-1] - s.chunks[0]) / sum(s.tokens[1:])
+        for s in streams
+        if len(s.chunks) >= 2 and s.chunks[-1] > s.chunks[0]
+    ]
+    if not rates:
+        return None
+    rate = statistics.median(rates)
+    spread = max(s.chunks[0] for s in streams) - min(s.chunks[0] for s in streams)
+    return math.ceil(1.5 * ((spread + extra_s) / rate + MIN_WINDOW_TOKENS + MIXED_WARMUP))
+
+
+def _chunk_tokens(choice: Any) -> int:
+    """The tokens a stream chunk's choice carries: its ``token_ids`` when the engine sends
+    them, else 1 for a chunk with text (an engine that sends one chunk per step)."""
+    if not isinstance(choice, dict):
+        return 0
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    text = choice.get("text", (choice.get("delta") or {}).get("content"))
+    return 1 if text else 0
+
+
+def _engine_arrival(value: str | None, url: str) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise CalibrationError(
+            f"{url} does not report its engine clock ({ENGINE_ARRIVED_HEADER} is "
+            f"{value!r}): the engine clock is the emulator's, `kvroute engine`"
+        ) from None
+
+
+def _engine_time(obj: dict[str, Any], url: str) -> float:
+    t = obj.get("engine_time")
+    if not isinstance(t, int | float) or isinstance(t, bool):
+        raise CalibrationError(f"{url}: a stream chunk has no engine_time (got {t!r})")
+    return float(t)
 
 
 def _json(payload: bytes, url: str) -> dict[str, Any]:
@@ -313,9 +440,12 @@ async def probe(http: aiohttp.ClientSession, url: str, model: str | None) -> Eng
     return info
 
 
-def feasible(point: Point, info: EngineInfo, grid: Grid, max_num_seqs: int) -> str | None:
-    """Why ``point`` cannot run on the engine (context, KV pool, batch), or None."""
-    out = grid.decode_tokens + MIXED_WARMUP
+def feasible(
+    point: Point, info: EngineInfo, grid: Grid, max_num_seqs: int, tokens: int | None = None
+) -> str | None:
+    """Why ``point`` cannot run on the engine (context, KV pool, batch) with ``tokens`` per
+    decoder (default: the grid's), or None."""
+    out = (tokens or grid.decode_tokens) + MIXED_WARMUP
     longest = max(point.prefill_tokens + point.cached_tokens, int(point.context)) + out
     if info.max_model_len and longest > info.max_model_len:
         return f"{longest} tokens exceed max_model_len {info.max_model_len}"
@@ -329,7 +459,18 @@ def feasible(point: Point, info: EngineInfo, grid: Grid, max_num_seqs: int) -> s
     return None
 
 
-async def _measure_one(c: _Client, point: Point, grid: Grid) -> Point:
+async def _decoding(c: _Client, point: Point, repeats: int, tokens: int) -> list[float]:
+    """``repeats`` tries of a decode or mixed point with ``tokens`` per decoder."""
+    batch, context = point.batch, int(point.context)
+    if point.kind == "decode":
+        return [await c.decode(batch, context, tokens) for _ in range(repeats)]
+    prefill, out = point.prefill_tokens, tokens + MIXED_WARMUP
+    return [await c.mixed(batch, context, prefill, out) for _ in range(repeats)]
+
+
+async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> Point:
+    """Measure ``point``; a decode or mixed point that its decoders did not stream long
+    enough for is tried again with more tokens each (see the module doc)."""
     await c.reset()
     if point.kind == "prefill":
         warm = [
@@ -341,21 +482,40 @@ async def _measure_one(c: _Client, point: Point, grid: Grid) -> Point:
         return replace(
             point, seconds=seconds, prefill_tokens=new, cached_tokens=cached, samples=len(warm)
         )
-    tries: list[float]
-    if point.kind == "decode":
-        tries = [
-            await c.decode(point.batch, int(point.context), grid.decode_tokens)
-            for _ in range(grid.repeats)
-        ]
-    else:
-        tokens = grid.decode_tokens + MIXED_WARMUP
-        tries = [
-            await c.mixed(point.batch, int(point.context), point.prefill_tokens, tokens)
-            for _ in range(grid.repeats)
-        ]
+    tokens = grid.decode_tokens
+    for growth in range(GROWTHS + 1):
+        try:
+            tries = await _decoding(c, point, grid.repeats, tokens)
+            break
+        except PointError as exc:
+            more = max(2 * tokens, exc.tokens_needed or 0)
+            why = feasible(point, c.info, grid, max_num_seqs, more)
+            if why is not None or growth == GROWTHS:
+                said = f"{more} tokens each would not fit: {why}" if why else "tried"
+                raise PointError(
+                    f"{exc}; {said} after {growth + 1} tries up to {tokens} tokens per "
+                    "decoder (--decode-tokens sets the first try's)"
+                ) from None
+            tokens = more
+            await c.reset()
     # The decoders read their prompt and, on average, half of what they generate.
-    context = point.context + grid.decode_tokens / 2
+    context = point.context + tokens / 2
     return replace(point, seconds=statistics.median(tries), context=context, samples=len(tries))
+
+
+async def _measure_point(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> Point:
+    """:func:`_measure_one`, tried up to ``POINT_TRIES`` times when it fails otherwise than
+    by the point itself (an error answer, a lost connection)."""
+    for attempt in range(1, POINT_TRIES + 1):
+        try:
+            return await _measure_one(c, point, grid, max_num_seqs)
+        except PointError:
+            raise
+        except CalibrationError as exc:
+            if attempt == POINT_TRIES:
+                raise CalibrationError(f"{exc} ({POINT_TRIES} tries)") from exc
+            await asyncio.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
 
 
 def _interleave(lists: Sequence[Sequence[Point]]) -> list[tuple[int, int, Point]]:
@@ -373,16 +533,20 @@ async def measure_grids(
     max_num_seqs: int = 128,
     vocab_size: int = 32000,
     seed: int = 0,
+    clock: Clock = "wall",
     progress: Callable[[int, int, int], None] | None = None,
 ) -> tuple[list[list[Point]], list[EngineInfo], list[str]]:
     """Measure the points of all ``grids`` in one pass, interleaved: per grid its points (in
-    grid order), what each engine said, and the points skipped with why.
-    ``progress(grid, done, total)`` is called per grid before the first point and after
-    each of its points."""
+    grid order), what each engine said, and the points skipped with why (those that could
+    not run, those that failed, and engines given up). ``clock``: ``"wall"`` (the client's)
+    or ``"engine"`` (the emulator's stamps). ``progress(grid, done, total)`` is called per
+    grid before the first point and after each of its points, measured or skipped."""
+    if clock not in ("wall", "engine"):
+        raise CalibrationError(f"clock must be 'wall' or 'engine', got {clock!r}")
     conn = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, connector=conn) as http:
         infos = [await probe(http, u.rstrip("/"), model) for u in urls]
-        clients = [_Client(http, info, vocab_size, seed + i) for i, info in enumerate(infos)]
+        clients = [_Client(http, info, vocab_size, seed + i, clock) for i, info in enumerate(infos)]
         # One warm-up request of each prefill size (first shapes cost extra on some backends)
         # that also checks the usage reports cached tokens.
         for c in clients:
@@ -406,19 +570,34 @@ async def measure_grids(
         for item in _interleave(todo):
             queue.put_nowait(item)
         done: list[dict[int, Point]] = [{} for _ in grids]
+        finished = [0 for _ in grids]
         if progress is not None:
             for k, ps in enumerate(todo):
                 progress(k, 0, len(ps))
+        given_up: list[str] = []
 
         async def work(c: _Client) -> None:
+            in_row = 0
             while not queue.empty():
                 k, j, p = queue.get_nowait()
-                done[k][j] = await _measure_one(c, p, grids[k])
+                try:
+                    done[k][j] = await _measure_point(c, p, grids[k], max_num_seqs)
+                    in_row = 0
+                except CalibrationError as exc:
+                    skipped.append(f"{p.kind} {p}: {exc}")
+                    in_row += 1
+                finished[k] += 1
                 if progress is not None:
-                    progress(k, len(done[k]), len(todo[k]))
+                    progress(k, finished[k], len(todo[k]))
+                if in_row >= MAX_FAILED_IN_ROW:
+                    given_up.append(f"{c.info.url}: given up after {in_row} failed points in a row")
+                    return
 
         await asyncio.gather(*(work(c) for c in clients))
-    return [[d[j] for j in sorted(d)] for d in done], infos, skipped
+    if len(given_up) == len(clients):
+        last = skipped[-1] if skipped else ""
+        raise CalibrationError(f"every engine was given up ({'; '.join(given_up)}); last: {last}")
+    return [[d[j] for j in sorted(d)] for d in done], infos, skipped + given_up
 
 
 async def measure(
@@ -429,6 +608,7 @@ async def measure(
     max_num_seqs: int = 128,
     vocab_size: int = 32000,
     seed: int = 0,
+    clock: Clock = "wall",
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[Point], list[EngineInfo], list[str]]:
     """Measure one ``grid`` on the engines (:func:`measure_grids`); ``progress(done,
@@ -441,6 +621,7 @@ async def measure(
         max_num_seqs=max_num_seqs,
         vocab_size=vocab_size,
         seed=seed,
+        clock=clock,
         progress=per_grid,
     )
     return points, infos, skipped
@@ -454,6 +635,29 @@ def _grid(grid: str | Grid) -> Grid:
     return GRIDS[grid]
 
 
+def warnings_of(doc: dict[str, Any], grids: Sequence[Grid]) -> list[str]:
+    """What a profile document's own numbers say it cannot be trusted for: a kind of step
+    whose fitted or held-out points it predicts more than ``TRUST_P50`` off at the median,
+    and a kind the grids have that no point of was measured."""
+    out = []
+    fitted = doc["fit"]["error"]
+    for kind in KINDS:
+        if kind not in fitted and any(p.kind == kind for p in grids[0].points()):
+            out.append(f"no {kind} point was measured: the profile's {kind} terms are not fitted")
+    for part, label in (("fit", "fitted"), ("held_out", "held-out")):
+        errors = doc.get(part, {}).get("error", {})
+        for kind in KINDS:
+            e = errors.get(kind)
+            if e is not None and e["p50"] > TRUST_P50:
+                out.append(
+                    f"the profile is not to be trusted for {kind} steps: it predicts its "
+                    f"{e['points']} "
+                    f"{label} {kind} points {e['p50']:.0%} off at the median (max "
+                    f"{e['max']:.0%})"
+                )
+    return out
+
+
 def calibrate(
     urls: Sequence[str],
     *,
@@ -464,17 +668,25 @@ def calibrate(
     max_num_seqs: int = 128,
     vocab_size: int = 32000,
     seed: int = 0,
+    decode_tokens: int | None = None,
+    clock: Clock = "wall",
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Measure ``grid`` (and ``held_out``, not fitted, its points interleaved with the
     fit's so that drift of the machine reaches both alike) on the engines and return the
-    profile document (:func:`kvroute.sim.profile.make_profile`). ``max_num_batched_tokens`` and
-    ``max_num_seqs`` are the engines' scheduler settings (vLLM's CPU defaults here).
+    profile document (:func:`kvroute.sim.profile.make_profile`, with ``warnings``:
+    :func:`warnings_of`). ``max_num_batched_tokens`` and ``max_num_seqs`` are the engines'
+    scheduler settings (vLLM's CPU defaults here); ``decode_tokens`` replaces the grids'
+    tokens per decoder of a first try; ``clock`` as in :func:`measure_grids`.
     ``progress(stage, done, total)`` follows the points of each stage, ``"fit"`` and
     ``"held-out"``."""
     if not urls:
         raise CalibrationError("calibrate needs at least one engine URL")
     grids = [_grid(grid)] + ([] if held_out is None else [_grid(held_out)])
+    if decode_tokens is not None:
+        if decode_tokens < 1:
+            raise CalibrationError(f"decode_tokens must be >= 1, got {decode_tokens}")
+        grids = [replace(g, decode_tokens=decode_tokens) for g in grids]
     stages = ("fit", "held-out")
     (points, *rest), infos, skipped = asyncio.run(
         measure_grids(
@@ -484,6 +696,7 @@ def calibrate(
             max_num_seqs=max_num_seqs,
             vocab_size=vocab_size,
             seed=seed,
+            clock=clock,
             progress=None if progress is None else lambda k, d, t: progress(stages[k], d, t),
         )
     )
@@ -502,10 +715,18 @@ def calibrate(
         "max_model_len": first.max_model_len,
         "num_gpu_blocks": first.num_gpu_blocks,
         "grid": grid if isinstance(grid, str) else "custom",
+        "clock": clock,
         "skipped": skipped,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    return make_profile(points, engine=engine, scheduler=scheduler, held_out=held)
+    try:
+        doc = make_profile(points, engine=engine, scheduler=scheduler, held_out=held)
+    except InvalidArgumentError as exc:
+        raise CalibrationError(
+            f"cannot fit the profile: {exc} ({len(skipped)} skipped: {'; '.join(skipped)})"
+        ) from exc
+    doc["warnings"] = warnings_of(doc, grids)
+    return doc
 
 
 __all__ = [
@@ -513,8 +734,11 @@ __all__ = [
     "CalibrationError",
     "EngineInfo",
     "Grid",
+    "PointError",
     "calibrate",
+    "feasible",
     "measure",
     "measure_grids",
     "probe",
+    "warnings_of",
 ]
