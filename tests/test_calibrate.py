@@ -155,7 +155,7 @@ def test_a_point_that_cannot_be_measured_is_skipped_and_listed() -> None:
     finally:
         engine.stop()
     (skipped,) = doc["engine"]["skipped"]
-    assert skipped.startswith("decode ") and "batch=2" in skipped
+    assert skipped.startswith("decode batch 2 at context 64: "), skipped
     assert "did not decode together" in skipped and "tries up to" in skipped, skipped
     assert doc["fit"]["error"]["decode"]["points"] == 1
     assert doc["fit"]["error"]["all"]["points"] == len(grid.points()) - 1

@@ -518,6 +518,19 @@ async def _measure_point(c: _Client, point: Point, grid: Grid, max_num_seqs: int
     raise AssertionError("unreachable")
 
 
+def label(point: Point) -> str:
+    """A grid point in words, as the skipped list names it."""
+    if point.kind == "prefill":
+        cached = f" after {point.cached_tokens} cached" if point.cached_tokens else ""
+        return f"prefill of {point.prefill_tokens} tokens{cached}"
+    at = f"batch {point.batch} at context {point.context:.0f}"
+    return (
+        f"decode {at}"
+        if point.kind == "decode"
+        else f"mixed {at} + prefill of {point.prefill_tokens}"
+    )
+
+
 def _interleave(lists: Sequence[Sequence[Point]]) -> list[tuple[int, int, Point]]:
     """The points of every list as (list, index, point), each list spread evenly over the
     whole order, so slow drift of the machine reaches every list alike."""
@@ -563,7 +576,7 @@ async def measure_grids(
                     filter(None, (feasible(p, c.info, g, max_num_seqs) for c in clients)), None
                 )
                 if why:
-                    skipped.append(f"{p.kind} {p}: {why}")
+                    skipped.append(f"{label(p)}: {why}")
                 else:
                     todo[-1].append(p)
         queue: asyncio.Queue[tuple[int, int, Point]] = asyncio.Queue()
@@ -584,7 +597,7 @@ async def measure_grids(
                     done[k][j] = await _measure_point(c, p, grids[k], max_num_seqs)
                     in_row = 0
                 except CalibrationError as exc:
-                    skipped.append(f"{p.kind} {p}: {exc}")
+                    skipped.append(f"{label(p)}: {exc}")
                     in_row += 1
                 finished[k] += 1
                 if progress is not None:
@@ -737,6 +750,7 @@ __all__ = [
     "PointError",
     "calibrate",
     "feasible",
+    "label",
     "measure",
     "measure_grids",
     "probe",
