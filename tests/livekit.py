@@ -7,15 +7,18 @@ Everything listens on 127.0.0.1 with free ports; servers run in-process on a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from email.message import Message
 from typing import Any
 
 import pyarrow as pa
+from aiohttp import web
 
 from kvroute.emulator import EMULATOR, Emulator, EmulatorConfig, emulator_app
 from kvroute.launch import TAIL_LINES, Launched, launch
@@ -77,8 +80,41 @@ def wait_until(pred: Callable[[], bool], timeout: float = 20.0, what: str = "con
         time.sleep(0.02)
 
 
+class Hold:
+    """A gate in front of emulators' generation endpoints (``Stack(hold=...)``): requests
+    wait at it until :meth:`open` (called on the stack's loop: ``stack.st.run(hold.open)``),
+    or for ``timeout_s`` at most, so that a test can keep requests in flight without timing
+    them. :attr:`waiting` counts the requests that reached it."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self.waiting = 0
+        self._open = asyncio.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    @web.middleware
+    async def middleware(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        if request.method == "POST" and request.path.endswith("completions"):
+            self.waiting += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._open.wait(), self.timeout_s)
+        return await handler(request)
+
+
+#: The proxy's health checks in a :class:`Stack` unless a test sets them: a check a loaded
+#: machine answers late would count as a failure (three take a backend down).
+QUIET_HEALTH = {"health_interval_s": 60.0, "health_timeout_s": 30.0}
+
+
 class Stack:
-    """Emulators behind a proxy on one background loop."""
+    """Emulators behind a proxy on one background loop (health checks once at start, then
+    each minute, unless ``proxy`` sets ``health_interval_s``)."""
 
     def __init__(
         self,
@@ -88,14 +124,17 @@ class Stack:
         preset: str = "h20-qwen3-coder-30b-a3b",
         proxy: dict[str, Any] | None = None,
         emulator: dict[str, Any] | None = None,
+        hold: Hold | None = None,
     ) -> None:
         self.st = ServerThread()
         self.emulators: list[Emulator] = []
         self.engine_urls: list[str] = []
+        self.hold = hold
         try:
             for _ in range(engines):
                 self.add_engine(speedup=speedup, preset=preset, **(emulator or {}))
-            self.proxy = Proxy(ProxyConfig(backends=list(self.engine_urls), **(proxy or {})))
+            config = {**QUIET_HEALTH, **(proxy or {})}
+            self.proxy = Proxy(ProxyConfig(backends=list(self.engine_urls), **config))
             self.url = self.st.start(self.proxy)
         except BaseException:
             self.st.close()
@@ -103,6 +142,8 @@ class Stack:
 
     def add_engine(self, **config: Any) -> str:
         app = emulator_app(EmulatorConfig(**config))
+        if self.hold is not None:
+            app.middlewares.append(self.hold.middleware)
         url = self.st.start(app)
         self.emulators.append(app[EMULATOR])
         self.engine_urls.append(url)
@@ -182,6 +223,7 @@ def small_trace(
 
 __all__ = [
     "MODEL",
+    "Hold",
     "Stack",
     "http",
     "small_trace",

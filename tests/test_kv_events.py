@@ -33,7 +33,7 @@ def hits(r: kvroute.Router, n: int = 12) -> list[int]:
     return r.estimate_cache_hits([*keys(n), 1], n + 1)
 
 
-def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
+def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not check():
         if time.monotonic() > end:
@@ -49,9 +49,9 @@ def pub() -> Iterator[KvEventPublisher]:
 
 def subscribe(r: kvroute.Router, pub: KvEventPublisher, nth: int = 1) -> Subscriber:
     """A subscriber of ``r`` to ``pub`` (its ``nth`` subscriber), once subscribed."""
-    sub = Subscriber(r)
+    sub = Subscriber(r, replay_timeout_s=30.0)  # a replay is answered in milliseconds
     sub.watch(0, [Source(0, pub.endpoint, pub.replay_endpoint)])
-    assert pub.wait_for_subscribers(nth, timeout=3.0)
+    assert pub.wait_for_subscribers(nth, timeout=30.0)
     return sub
 
 
@@ -181,7 +181,7 @@ def test_ranks_have_their_own_sequences() -> None:
                 Source(1, one.endpoint, one.replay_endpoint),
             ],
         )
-        assert zero.wait_for_subscribers(1, 3.0) and one.wait_for_subscribers(1, 3.0)
+        assert zero.wait_for_subscribers(1, 30.0) and one.wait_for_subscribers(1, 30.0)
         with sub:
             zero.publish([stored([1], None, TOKENS[:4], BS)])
             one.publish([stored([9], None, TOKENS[:4], BS)])
@@ -267,14 +267,16 @@ def test_the_kv_events_command_prints_a_summary(pub: KvEventPublisher) -> None:
     from kvroute.cli import main
 
     def publish() -> None:
-        assert pub.wait_for_subscribers(1, timeout=3.0)
+        assert pub.wait_for_subscribers(1, timeout=30.0)
         chain(pub)
         pub.drop_next(1)
         pub.publish([removed([3])])
         pub.publish([cleared()])
 
     threading.Thread(target=publish, daemon=True).start()
-    args = ["kv-events", pub.endpoint, "--duration", "1.5", "--interval", "0.5", "--json"]
+    # Three batches arrive (one of the four is dropped); --duration only bounds a failure.
+    args = ["kv-events", pub.endpoint, "--batches", "3", "--duration", "60", "--json"]
+    args += ["--interval", "0.5"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     last = json.loads(res.output.strip().splitlines()[-1])["ranks"][0]
@@ -317,7 +319,7 @@ def test_the_proxy_reads_each_engines_kv_capacity() -> None:
     assert kv_capacity(text) == (512, 32)
     assert kv_capacity("vllm:num_requests_running 0\n") is None
     with Stack(2) as s:  # emulators: no KV events, so the estimate, bounded
-        wait_until(lambda: len(s.proxy.caches.found) == 2, 10, "both backends probed")
+        wait_until(lambda: len(s.proxy.caches.found) == 2, 30, "both backends probed")
         for i, e in enumerate(s.emulators):
             stats = e.engine.stats()
             # Blocks of the engine's KV block size (16 tokens), not of the trace's keys.
@@ -332,7 +334,7 @@ def test_a_bad_endpoint_or_instance_does_not_stop_the_subscriber(pub: KvEventPub
         sub.watch(5, [Source(0, "tcp://no-such-host.invalid:1", bind=True)])  # cannot bind
         sub.watch(7, [Source(0, pub.endpoint)])  # no instance 7: every batch is an error
         sub.watch(0, [Source(0, pub.endpoint, pub.replay_endpoint)])
-        assert pub.wait_for_subscribers(2, 3.0)
+        assert pub.wait_for_subscribers(2, 30.0)
         chain(pub)
         until(lambda: hits(r) == [12])
         until(lambda: sub.stats().get((7, 0), SourceStats()).decode_errors >= 1)

@@ -36,7 +36,7 @@ from vllm_blockpool import BlockPool, PoolExhausted
 
 GOLDEN_PATH = Path(__file__).parent / "data" / "kv_events_golden.json"
 GOLDEN: dict[str, Any] = json.loads(GOLDEN_PATH.read_text())
-TIMEOUT_MS = 1000
+TIMEOUT_MS = 30_000  # what must arrive arrives in milliseconds
 
 
 def unjson(obj: Any) -> Any:
@@ -76,7 +76,7 @@ class Net:
         sock = self.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, topic)
         sock.connect(pub.endpoint)
-        assert pub.wait_for_subscribers(before + 1, timeout=1.0)
+        assert pub.wait_for_subscribers(before + 1, timeout=30.0)
         return sock
 
     def dealer(self, pub: KvEventPublisher) -> zmq.Socket[bytes]:
@@ -278,7 +278,7 @@ def test_rank_and_topic(net: Net) -> None:
     with KvEventPublisher(topic="kv@rank", data_parallel_rank=2) as p:
         other = net.sub(p, b"nope")
         sub = net.sub(p, b"kv@")
-        assert p.wait_for_subscribers(2, timeout=1.0)
+        assert p.wait_for_subscribers(2, timeout=30.0)
         p.publish([cleared()])
         p.publish([cleared()], rank=5)
         first, second = recv(sub), recv(sub)
@@ -383,7 +383,7 @@ def test_publish_from_threads(net: Net, pub: KvEventPublisher) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=2)
+        t.join(timeout=30)
     got = sorted(int.from_bytes(recv(sub)[1], "big") for _ in range(100))
     assert got == list(range(100))
 

@@ -7,11 +7,12 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import aiohttp
 import openai
 
-from livekit import MODEL, Stack, http, spawn
+from livekit import MODEL, Hold, Stack, http, spawn, wait_until
 
 LOAD_SECONDS = 6.0
 CLIENTS = 256
@@ -66,8 +67,16 @@ def test_openai_client_end_to_end() -> None:
         s.assert_counters_zero()
 
 
-def _turns(url: str, sessions: int, turns: int, concurrent_first: bool) -> dict[int, list[int]]:
-    """Each session's turns (growing prompts), one at a time; the instance of each turn."""
+def _turns(
+    url: str,
+    sessions: int,
+    turns: int,
+    concurrent_first: bool,
+    first_sent: Callable[[], None] | None = None,
+) -> dict[int, list[int]]:
+    """Each session's turns (growing prompts), one at a time; the instance of each turn.
+    With ``concurrent_first``, ``first_sent`` runs (in a thread) once every session has
+    begun; the sessions go on meanwhile."""
 
     async def one(http_: aiohttp.ClientSession, sid: int, n: int) -> int:
         prompt = [sid * 10_000 + i for i in range(600 * (n + 1))]
@@ -84,7 +93,10 @@ def _turns(url: str, sessions: int, turns: int, concurrent_first: bool) -> dict[
     async def main() -> dict[int, list[int]]:
         async with aiohttp.ClientSession() as http_:
             if concurrent_first:
-                got = await asyncio.gather(*(session(http_, sid) for sid in range(sessions)))
+                tasks = [asyncio.create_task(session(http_, sid)) for sid in range(sessions)]
+                if first_sent is not None:
+                    await asyncio.to_thread(first_sent)
+                got = await asyncio.gather(*tasks)
             else:
                 got = [await session(http_, sid) for sid in range(sessions)]
         return dict(enumerate(got))
@@ -93,11 +105,20 @@ def _turns(url: str, sessions: int, turns: int, concurrent_first: bool) -> dict[
 
 
 def test_sticky_sessions_stick() -> None:
-    with Stack(3, speedup=5, proxy={"policy": "sticky"}) as s:
-        placed = _turns(s.url, sessions=6, turns=4, concurrent_first=True)
+    """Six sessions whose first turns are all in flight at once (held at the engines until
+    the sixth arrives): sticky binds each new session to the least loaded engine, two to
+    each, and every later turn goes where its first went."""
+    hold = Hold()
+    with Stack(3, speedup=5, proxy={"policy": "sticky"}, hold=hold) as s:
+
+        def release() -> None:
+            wait_until(lambda: hold.waiting >= 6, 30, "the six first turns to arrive")
+            s.st.run(hold.open)
+
+        placed = _turns(s.url, sessions=6, turns=4, concurrent_first=True, first_sent=release)
         for insts in placed.values():
             assert len(set(insts)) == 1, placed
-        assert len({insts[0] for insts in placed.values()}) >= 2, placed
+        assert Counter(insts[0] for insts in placed.values()) == {0: 2, 1: 2, 2: 2}, placed
         for sid, insts in placed.items():
             assert s.proxy.router.session_affinity(f"session-{sid}") == insts[0]
         s.assert_counters_zero()
@@ -112,12 +133,13 @@ def test_unified_follows_the_cache() -> None:
 
 
 def test_256_concurrent_streams() -> None:
-    with Stack(4, speedup=50, proxy={"policy": "unified"}) as s:
+    # No periodic health checks: they would share a saturated loop with the load.
+    with Stack(4, speedup=50, proxy={"policy": "unified", "health_interval_s": 60}) as s:
         outcomes: Counter[str] = Counter()
 
         async def client(http_: aiohttp.ClientSession, cid: int, deadline: float) -> None:
             n = 0
-            while time.monotonic() < deadline:
+            while n == 0 or time.monotonic() < deadline:  # one request at least, however late
                 prompt = [cid * 1000 + i for i in range(256 + 64 * (n % 4))]
                 body = {
                     "prompt": prompt,
@@ -137,7 +159,7 @@ def test_256_concurrent_streams() -> None:
                 n += 1
 
         async def main() -> None:
-            timeout = aiohttp.ClientTimeout(total=60)
+            timeout = aiohttp.ClientTimeout(total=120)
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http_:
                 deadline = time.monotonic() + LOAD_SECONDS

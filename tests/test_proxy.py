@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -125,11 +124,17 @@ def test_config_checks() -> None:
 
 
 class Recorder:
-    """A fake engine that records what it receives and streams with pauses."""
+    """A fake engine that records what it receives and streams in two chunks: the second
+    once :attr:`next_chunk` is set (by the client that read the first; from the server's
+    loop), or after ``HOLD_S`` (:attr:`released` then says so)."""
+
+    HOLD_S = 20.0
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.headers: list[Mapping[str, str]] = []  # names case-insensitive
+        self.next_chunk = asyncio.Event()
+        self.released: bool | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -171,8 +176,13 @@ class Recorder:
             return web.json_response({"choices": [], "usage": {"prompt_tokens": 3}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Extra": "1"})
         await resp.prepare(request)
+        self.next_chunk.clear()
         await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
-        await asyncio.sleep(1.0)
+        try:
+            await asyncio.wait_for(self.next_chunk.wait(), self.HOLD_S)
+            self.released = True
+        except TimeoutError:
+            self.released = False
         await resp.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
         await resp.write_eof()
         return resp
@@ -246,23 +256,27 @@ def test_reset_prefix_cache_reaches_every_backend_and_the_router(recorded: tuple
 
 
 def test_streams_are_relayed_chunk_by_chunk(recorded: tuple) -> None:
-    st, url, _, _ = recorded
+    """The backend sends its second chunk only once the client has read the first: a relay
+    that held the stream back would make it wait ``HOLD_S`` for nothing."""
+    st, url, rec, _ = recorded
 
-    async def read() -> list[tuple[float, bytes]]:
+    async def read() -> list[bytes]:
         got = []
         async with aiohttp.ClientSession() as s:
-            t0 = time.monotonic()
             body = {"prompt": [1], "stream": True}
             async with s.post(url + "/v1/completions", json=body) as resp:
                 assert resp.headers["X-Extra"] == "1"
                 async for chunk in resp.content.iter_any():
-                    got.append((time.monotonic() - t0, chunk))
+                    got.append(chunk)
+                    rec.next_chunk.set()  # the backend's loop: this one
         return got
 
-    chunks = st.call(read())
-    assert chunks[0][1].startswith(b'data: {"choices": [{"text": "a"}]}')
-    assert chunks[0][0] < 0.9 and chunks[-1][0] >= 0.95  # the first came before the pause
-    assert b"".join(c for _, c in chunks).endswith(b"data: [DONE]\n\n")
+    rec.released = None
+    chunks = st.call(read(), timeout=60)
+    assert chunks[0].startswith(b'data: {"choices": [{"text": "a"}]}')
+    assert b'"b"' not in chunks[0]
+    assert rec.released, "the first chunk reached the client only with the rest"
+    assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
 
 
 @pytest.mark.parametrize(

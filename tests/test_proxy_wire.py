@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import select
 import socket
 import threading
 import time
@@ -25,11 +26,13 @@ from livekit import http, wait_until
 
 class Backend:
     """A fake engine: echoes bodies, streams ``n`` chunks of ``size`` bytes on request (with
-    ``pause`` seconds before each), and records the client ports it saw."""
+    ``pause`` seconds before each; with ``hold``, chunk ``hold`` and those after it wait until
+    :attr:`gate` is set, from the server's loop), and records the client ports it saw."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.ports: set[int] = set()
+        self.gate = asyncio.Event()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -50,6 +53,8 @@ class Backend:
         await resp.prepare(request)
         n, size = body.get("n", 2), body.get("size", 8)
         for i in range(n):
+            if i == body.get("hold"):
+                await asyncio.wait_for(self.gate.wait(), 60)
             await asyncio.sleep(body.get("pause", 0))
             await resp.write(b"data: " + str(i % 10).encode() * size + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
@@ -336,56 +341,102 @@ def test_a_port_in_use_is_a_clear_error(command: list[str]) -> None:
 
 def test_closing_lets_streams_finish_for_the_grace_period() -> None:
     """Closing the proxy: no new connections; a stream that ends within the grace period
-    (0.5 s here) ends normally, one that does not is cut; the router's counters go back to
-    zero either way."""
+    (5 s here) ends normally, one that does not is cut; the router's counters go back to
+    zero either way. Both streams are running when the proxy closes (their first chunk came)
+    and wait until it has stopped listening; then the short one needs 2 more chunks, the long
+    one 100,000 more at 0.05 s each."""
     with ServerThread() as st:
         backend = Backend()
         proxy = Proxy(ProxyConfig(backends=[st.start(backend.app())]))
-        url = st.start(proxy)
+        url = st.start(proxy, grace=5.0)
         with connect(url) as short, connect(url) as long:
-            short.sendall(post({"prompt": [1], "stream": True, "n": 3, "pause": 0.1}))
-            long.sendall(post({"prompt": [2], "stream": True, "n": 40, "pause": 0.1}))
-            time.sleep(0.15)
+            short.sendall(post({"prompt": [1], "stream": True, "n": 3, "hold": 1}))
+            n = 100_001
+            long.sendall(post({"prompt": [2], "stream": True, "n": n, "hold": 1, "pause": 0.05}))
+            got = {short: b"", long: b""}
+            for sock in got:
+                while b"data: " not in got[sock]:
+                    chunk = sock.recv(65536)
+                    assert chunk, "the stream ended before its first chunk"
+                    got[sock] += chunk
             closing = threading.Thread(target=st.stop, args=(url,))
             closing.start()
-            head, body = Reader(short).response()
+
+            def refused() -> bool:
+                try:
+                    connect(url).close()
+                except OSError:
+                    return True
+                return False
+
+            wait_until(refused, what="the proxy to stop listening")
+            st.run(backend.gate.set)
+            r = Reader(short)
+            r.conn.receive_data(got[short])
+            head, body = r.response()
             assert head.status == 200 and body.count(b"data: ") == 4
-            cut = b""
-            while got := long.recv(65536):
-                cut += got
+            cut = got[long]
+            while chunk := long.recv(65536):
+                cut += chunk
             closing.join()
-        assert b"0\r\n\r\n" not in cut and 3 <= cut.count(b"data: ") < 41
+        # Cut: no end of the chunked body; chunks kept coming during the grace period.
+        assert b"0\r\n\r\n" not in cut and 3 <= cut.count(b"data: ") < n
         wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
         with pytest.raises(OSError):
             connect(url).close()
 
 
+def open_now(sock: socket.socket) -> bool:
+    """Whether the other end has not closed ``sock`` (nothing may have arrived on it)."""
+    if not select.select([sock], [], [], 0)[0]:
+        return True  # nothing to read, not even the end
+    try:
+        got = sock.recv(1)
+    except ConnectionResetError:
+        return False
+    assert got == b"", f"an answer to a request head that was never complete: {got!r}"
+    return False
+
+
 def test_slow_clients_are_cut_at_the_header_deadline_and_others_are_served() -> None:
     """Clients that drip their request head a byte at a time (or send nothing) hold a
-    connection for at most the header-read deadline (0.5 s here), and a client beside them
-    is served at once, again and again."""
+    connection for at most the header-read deadline (10 s here): however long they go on
+    dripping, they are cut. A client beside them is served at once, again and again, while
+    they are all still open."""
+    deadline_s = 10.0
     with ServerThread() as st:
         backend = Backend()
-        config = ProxyConfig(backends=[st.start(backend.app())], header_read_timeout_s=0.5)
+        config = ProxyConfig(backends=[st.start(backend.app())], header_read_timeout_s=deadline_s)
         proxy = Proxy(config)
         url = st.start(proxy)
+        t0 = time.monotonic()
         slow = [connect(url) for _ in range(8)]
         try:
-            t0 = time.monotonic()
-            head = post({"prompt": [1]})
-            for i, sock in enumerate(slow[:4]):
-                sock.sendall(head[: i + 1])
+            # A head that never ends: a header value that grows by a byte at each drip.
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Drip: "
+            for sock in slow[:4]:
+                sock.sendall(head)
             for _ in range(6):  # the others drip on; a fast client meanwhile
-                time.sleep(0.1)
-                for i, sock in enumerate(slow[:4]):
+                for sock in slow[:4]:
                     with contextlib.suppress(OSError):
-                        sock.send(head[i + 1 : i + 2])
-                status, _, _ = http("POST", url + "/v1/completions", {"prompt": [2]}, timeout=2)
+                        sock.send(b"a")
+                status, _, _ = http("POST", url + "/v1/completions", {"prompt": [2]})
                 assert status == 200
-            for sock in slow:
-                sock.settimeout(3)
-                assert Reader(sock).closed()
-            assert time.monotonic() - t0 < 3
+            # All served while every slow client still held its connection.
+            assert all(open_now(sock) for sock in slow)
+            # Dripping on does not keep a connection: each is cut (a head of a few hundred
+            # bytes at most; 64 KiB would be refused as too large instead).
+            open_ = list(slow)
+            while open_:
+                assert time.monotonic() - t0 < 60, f"{len(open_)} slow clients never cut"
+                time.sleep(0.05)
+                for sock in slow[:4]:
+                    if sock in open_:
+                        with contextlib.suppress(OSError):
+                            sock.send(b"a")
+                open_ = [sock for sock in open_ if open_now(sock)]
+            # Not before the deadline (the clock of each began after its connect).
+            assert time.monotonic() - t0 >= deadline_s
         finally:
             for sock in slow:
                 sock.close()
@@ -414,7 +465,7 @@ def test_connections_beyond_the_cap_get_503() -> None:
             held.pop().close()
 
             def served() -> bool:
-                return http("POST", url + "/v1/completions", {"prompt": [3]}, timeout=2)[0] == 200
+                return http("POST", url + "/v1/completions", {"prompt": [3]})[0] == 200
 
             wait_until(served, what="a connection to be served once one closed")
         finally:

@@ -114,11 +114,14 @@ def test_the_engine_sees_the_trace_reuse(stack: Stack) -> None:
 
 
 def test_max_requests_and_time_scale(stack: Stack) -> None:
-    trace = small_trace(sessions=3, turns=4, gap=1.0)
-    config = ReplayConfig(url=stack.url, mode="tracets", time_scale=0.05, max_requests=5)
+    # The first five requests are sent 100 s apart in trace time: 0.1 s apart once scaled.
+    trace = small_trace(sessions=3, turns=4, gap=100.0)
+    config = ReplayConfig(url=stack.url, mode="tracets", time_scale=0.001, max_requests=5)
     records = replay(trace, config)
     assert records.num_rows == 5
-    assert max(records.column("finish").to_pylist()) < 2.0
+    sends = sorted(records.column("send").to_pylist())
+    assert sends[-1] >= 0.4 * (1 - 1e-6)  # scaled, not dropped: the last at 400 s x 0.001
+    assert max(records.column("finish").to_pylist()) < 30  # unscaled, the last is sent at 400 s
 
 
 def test_failures_are_recorded(stack: Stack) -> None:

@@ -17,70 +17,111 @@ import kvroute
 from kvroute.cli import main
 from kvroute.files import atomic_output
 
-KVROUTE = [sys.executable, "-m", "kvroute"]
-# Large enough that writing the file takes a few hundred ms on 2 cores.
-SYNTH_REQUESTS = "60000"
+SYNTH_REQUESTS = "5000"
+
+#: ``kvroute ARGS`` (a ``trace synth``) whose write stops part-way and waits, up to a
+#: minute, for the test's signal, so that the signal comes at a known point of the write
+#: however slow the machine: ``POINT`` is the fraction of the file's bytes in the temporary
+#: file at the pause, or ``renamed`` (the whole file in place, the command not done yet).
+#: ``MARKER`` is created at the pause. Run as ``python -c PAUSED MARKER POINT ARGS...``.
+PAUSED = """
+import sys, time
+from pathlib import Path
+
+import kvroute.files
+import kvroute.synth
+
+marker, point = Path(sys.argv[1]), sys.argv[2]
 
 
-def _synth(out: Path) -> subprocess.Popen[bytes]:
-    cmd = [*KVROUTE, "trace", "synth", "--requests", SYNTH_REQUESTS, "--force", "-o", str(out)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def pause():
+    marker.touch()
+    time.sleep(60)
+
+
+if point == "renamed":
+    fsync_dir = kvroute.files._fsync_dir
+
+    def paused_fsync_dir(folder):
+        pause()
+        fsync_dir(folder)
+
+    kvroute.files._fsync_dir = paused_fsync_dir
+else:
+    write_trace = kvroute.synth.write_trace
+
+    def paused_write_trace(plan, paths, *rest):
+        write_trace(plan, paths, *rest)
+        data = Path(paths[0]).read_bytes()
+        cut = int(len(data) * float(point))
+        with open(paths[0], "r+b") as f:
+            f.truncate(cut)  # as if only that much had been written so far
+            pause()
+            f.seek(cut)
+            f.write(data[cut:])
+
+    kvroute.synth.write_trace = paused_write_trace
+
+from kvroute.cli import main
+
+main(sys.argv[3:], prog_name="kvroute")
+"""
+
+
+def _synth(out: Path, point: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """``kvroute trace synth`` writing ``out``, paused at ``point``; the pause's marker."""
+    marker = out.parent / f"paused-{point}"
+    cmd = ["trace", "synth", "--requests", SYNTH_REQUESTS, "--force", "-o", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED, str(marker), point, *cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    return proc, marker
 
 
 def _temps(folder: Path) -> list[Path]:
     return sorted(folder.glob(".*.tmp-*"))
 
 
-def _wait_for_temp(proc: subprocess.Popen[bytes], folder: Path, limit_s: float = 120) -> float:
-    """Time at which the output's temporary file appeared (the write began)."""
+def _wait_for_pause(proc: subprocess.Popen[bytes], marker: Path, limit_s: float = 120) -> None:
+    """Wait until the command has paused in the middle of its write."""
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if _temps(folder):
-            return time.monotonic()
+    while not marker.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"finished before writing: {proc.communicate()[1]!r}")
-        time.sleep(0.002)
-    raise AssertionError("no temporary file appeared")
-
-
-@pytest.fixture(scope="module")
-def write_seconds(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """How long the synth command spends writing its file (temp file to rename)."""
-    folder = tmp_path_factory.mktemp("calibrate")
-    proc = _synth(folder / "t.parquet")
-    began = _wait_for_temp(proc, folder)
-    while _temps(folder):
-        time.sleep(0.002)
-    written = time.monotonic()
-    proc.communicate(timeout=120)
-    assert proc.returncode == 0
-    return max(written - began, 0.05)
+            raise AssertionError(f"finished without pausing: {proc.communicate()[1]!r}")
+        if time.monotonic() > deadline:
+            raise AssertionError("the command never paused")
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("point", ["0.1", "0.5", "0.9", "1.0", "renamed"])
 def test_killed_while_writing_keeps_the_old_file(
-    tmp_path: Path, write_seconds: float, sig: signal.Signals, fraction: float
+    tmp_path: Path, sig: signal.Signals, point: str
 ) -> None:
+    """A signal while the new file is being written (a part of it, or all of it but not yet
+    renamed) leaves the old file; after the rename, the whole new one."""
     target = tmp_path / "trace.parquet"
     old = kvroute.read_trace(_bundled())
     kvroute.write_trace(old, target)
     before = target.read_bytes()
-    proc = _synth(target)
-    began = _wait_for_temp(proc, tmp_path)
-    time.sleep(max(began + fraction * write_seconds - time.monotonic(), 0))
+    proc, marker = _synth(target, point)
+    _wait_for_pause(proc, marker)
+    assert _temps(tmp_path) or point == "renamed", "no temporary file while writing"
     proc.send_signal(sig)
     stderr = proc.communicate(timeout=60)[1].decode()
     rc = proc.returncode
-    # The target is the old file or the whole new one, never anything else.
-    if target.read_bytes() != before:
+    if point == "renamed":
         assert kvroute.read_trace(target).num_rows == int(SYNTH_REQUESTS)
-        # -SIGTERM: the signal came after the command had finished, while the interpreter
-        # was shutting down (its handlers are gone by then); the file was complete.
-        assert rc in (0, 143, -signal.SIGKILL, -signal.SIGTERM), stderr
-        if rc == 143:
+        if sig == signal.SIGTERM:
+            assert rc == 143, stderr
             assert f"kept 1 complete output(s): {target}" in stderr
+        else:
+            assert rc == -signal.SIGKILL
+        assert not _temps(tmp_path)
         return
+    assert target.read_bytes() == before
     assert kvroute.read_trace(target).num_rows == old.num_rows
     if sig == signal.SIGTERM:
         assert rc == 143, stderr
@@ -91,17 +132,13 @@ def test_killed_while_writing_keeps_the_old_file(
         assert rc == -signal.SIGKILL
 
 
-def test_sigint_says_nothing_was_written(tmp_path: Path, write_seconds: float) -> None:
+def test_sigint_says_nothing_was_written(tmp_path: Path) -> None:
     target = tmp_path / "trace.parquet"
-    proc = _synth(target)
-    began = _wait_for_temp(proc, tmp_path)
-    time.sleep(max(began + 0.3 * write_seconds - time.monotonic(), 0))
+    proc, marker = _synth(target, "0.3")
+    _wait_for_pause(proc, marker)
     proc.send_signal(signal.SIGINT)
     stderr = proc.communicate(timeout=60)[1].decode()
-    rc = proc.returncode
-    if target.exists():
-        pytest.skip("the write finished before the signal arrived")
-    assert rc == 130, stderr
+    assert proc.returncode == 130, stderr
     assert "interrupted (SIGINT): no output was written" in stderr
     assert "Aborted" not in stderr and "Traceback" not in stderr
     assert not target.exists() and not _temps(tmp_path)

@@ -40,9 +40,21 @@ def _row(rank: int, now: dict[str, Any], before: dict[str, Any], dt: float) -> d
 @click.option("--bind", is_flag=True, help="Bind the endpoint (the engine connects to it).")
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.05))
 @click.option("--duration", default=None, type=float, help="Stop after this many seconds.")
+@click.option(
+    "--batches",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Stop once this many batches have arrived (all ranks together), after a last summary.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per interval.")
 def kv_events(
-    target: str, topic: str, bind: bool, interval: float, duration: float | None, as_json: bool
+    target: str,
+    topic: str,
+    bind: bool,
+    interval: float,
+    duration: float | None,
+    batches: int | None,
+    as_json: bool,
 ) -> None:
     """Summarise the KV events at TARGET (an engine's URL or a ZMQ endpoint) live: per rank,
     batches and blocks stored/removed per second, gaps, restarts, last sequence number, lag."""
@@ -92,18 +104,22 @@ def kv_events(
                         except zmq.Again:
                             break
                 now = time.monotonic()
-                if now - last < interval:
+                got = sum(t.batches for t in tally.ranks.values())
+                done = batches is not None and got >= batches
+                if now - last < interval and not done:
                     continue
                 rows = []
                 for rank, t in sorted(tally.ranks.items()):
                     stats = vars(t).copy()
-                    rows.append(_row(rank, stats, before.get(rank, {}), now - last))
+                    rows.append(_row(rank, stats, before.get(rank, {}), max(now - last, 1e-9)))
                     before[rank] = stats
                 last = now
                 if as_json:
                     click.echo(json.dumps({"ranks": rows, "bad_messages": tally.bad_messages}))
                 else:
                     live.update(table(rows), refresh=True)
+                if done:
+                    break
     except KeyboardInterrupt:
         pass
     finally:

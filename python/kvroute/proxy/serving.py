@@ -130,6 +130,7 @@ class ServerThread:
     def __init__(self, use_uvloop: bool = False) -> None:
         self.loop = new_event_loop(use_uvloop)
         self._services: dict[str, Service] = {}
+        self._graces: dict[str, float] = {}
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
@@ -145,20 +146,23 @@ class ServerThread:
 
         return self.call(wrap(), timeout)
 
-    def start(self, app: web.Application | Service) -> str:
-        """Serve a service or an aiohttp application on 127.0.0.1, a free port; its URL."""
+    def start(self, app: web.Application | Service, grace: float = 0.5) -> str:
+        """Serve a service or an aiohttp application on 127.0.0.1, a free port; its URL.
+        ``grace``: how long :meth:`stop` lets its running requests finish."""
 
         async def go() -> str:
             service = as_service(app)
-            url = await service.start("127.0.0.1", 0, 0.5)
+            url = await service.start("127.0.0.1", 0, grace)
             self._services[url] = service
+            self._graces[url] = grace
             return url
 
         return self.call(go())
 
     def stop(self, url: str) -> None:
-        """Stop one service: close its port and its connections."""
-        self.call(self._services.pop(url).close())
+        """Stop one service: close its port and its connections (after its grace period)."""
+        grace = self._graces.pop(url, 0.5)
+        self.call(self._services.pop(url).close(), timeout=30.0 + grace)
 
     def close(self) -> None:
         """Stop every service and the loop."""
