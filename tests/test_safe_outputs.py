@@ -3,10 +3,12 @@ and Parquet page checksums verified on read (docs/trace-format.md, "Guarantees")
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -25,8 +27,12 @@ SYNTH_REQUESTS = "5000"
 #: file at the pause, or ``renamed`` (the whole file in place, the command not done yet).
 #: ``MARKER`` is created at the pause. Run as ``python -c PAUSED MARKER POINT ARGS...``.
 PAUSED = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+
+# As an interactive shell would start it, whatever this test's parent ignores (a shell runs
+# a background job with SIGINT ignored, and Python then installs no handler of its own).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import kvroute.files
 import kvroute.synth
@@ -68,16 +74,23 @@ main(sys.argv[3:], prog_name="kvroute")
 """
 
 
-def _synth(out: Path, point: str) -> tuple[subprocess.Popen[bytes], Path]:
-    """``kvroute trace synth`` writing ``out``, paused at ``point``; the pause's marker."""
+@contextlib.contextmanager
+def _synth(out: Path, point: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``kvroute trace synth`` writing ``out``, paused at ``point``; the pause's marker. The
+    process is killed and reaped on the way out, whatever the test did."""
     marker = out.parent / f"paused-{point}"
     cmd = ["trace", "synth", "--requests", SYNTH_REQUESTS, "--force", "-o", str(out)]
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", PAUSED, str(marker), point, *cmd],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-    )
-    return proc, marker
+    ) as proc:
+        try:
+            yield proc, marker
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def _temps(folder: Path) -> list[Path]:
@@ -106,12 +119,12 @@ def test_killed_while_writing_keeps_the_old_file(
     old = kvroute.read_trace(_bundled())
     kvroute.write_trace(old, target)
     before = target.read_bytes()
-    proc, marker = _synth(target, point)
-    _wait_for_pause(proc, marker)
-    assert _temps(tmp_path) or point == "renamed", "no temporary file while writing"
-    proc.send_signal(sig)
-    stderr = proc.communicate(timeout=60)[1].decode()
-    rc = proc.returncode
+    with _synth(target, point) as (proc, marker):
+        _wait_for_pause(proc, marker)
+        assert _temps(tmp_path) or point == "renamed", "no temporary file while writing"
+        proc.send_signal(sig)
+        stderr = proc.communicate(timeout=60)[1].decode()
+        rc = proc.returncode
     if point == "renamed":
         assert kvroute.read_trace(target).num_rows == int(SYNTH_REQUESTS)
         if sig == signal.SIGTERM:
@@ -134,10 +147,10 @@ def test_killed_while_writing_keeps_the_old_file(
 
 def test_sigint_says_nothing_was_written(tmp_path: Path) -> None:
     target = tmp_path / "trace.parquet"
-    proc, marker = _synth(target, "0.3")
-    _wait_for_pause(proc, marker)
-    proc.send_signal(signal.SIGINT)
-    stderr = proc.communicate(timeout=60)[1].decode()
+    with _synth(target, "0.3") as (proc, marker):
+        _wait_for_pause(proc, marker)
+        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1].decode()
     assert proc.returncode == 130, stderr
     assert "interrupted (SIGINT): no output was written" in stderr
     assert "Aborted" not in stderr and "Traceback" not in stderr
