@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: all demo test test-rust test-py test-vllm vllm-engines lint bench bench-rust build-dev build-release clean
+.PHONY: all demo test test-rust test-py test-vllm vllm-engines lint bench bench-rust bench-peers build-dev build-release clean
 
 all: test
 
@@ -59,6 +59,11 @@ bench: build-release
 
 bench-rust:
 	cargo bench -p kvroute-bench
+
+# kvroute against SMG and vllm-router (from PyPI, cached) on two real vLLM CPU engines, every
+# workload at light and heavy load, 3 rounds: benches/peers/run.py, results in benches/README.md.
+bench-peers: build-release
+	$(PY) benches/peers/run.py --json peers.json --markdown peers.md
 
 clean:
 	rm -rf $(VENV) target

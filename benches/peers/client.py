@@ -1,0 +1,103 @@
+"""The peers benchmark's client: sends a workload's sessions through a router, ``concurrency``
+sessions at a time (a session's requests one after another, each sent when the one before
+it finished), and times each request on the monotonic clock: its first token (the first
+streamed chunk with generated text) and its end. One asyncio loop, one connection pool;
+O(requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from routers import SESSION_HEADER
+from workloads import Request, Workload
+
+TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=10)
+
+
+@dataclass
+class Result:
+    """One request as the client saw it (seconds)."""
+
+    session: int
+    ok: bool
+    ttft: float | None
+    e2e: float
+    error: str | None = None
+
+
+def _has_text(chunk: dict[str, object]) -> bool:
+    for choice in chunk.get("choices") or ():  # type: ignore[attr-defined]
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") or {}
+        if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+            return True
+    return False
+
+
+async def _one(
+    http: aiohttp.ClientSession, url: str, req: Request, model: str, session: int, sid: str | None
+) -> Result:
+    headers = {"Content-Type": "application/json"}
+    if sid is not None:
+        headers[SESSION_HEADER] = sid
+    data = json.dumps({"model": model, **req.body}).encode()
+    start = time.monotonic()
+    first: float | None = None
+    try:
+        async with http.post(url + req.path, data=data, headers=headers) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                return Result(
+                    session, False, None, time.monotonic() - start, f"{resp.status}: {text}"
+                )
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                if first is None and _has_text(json.loads(line[5:])):
+                    first = time.monotonic()
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        return Result(
+            session, False, None, time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+        )
+    end = time.monotonic()
+    ok = first is not None
+    return Result(session, ok, None if first is None else first - start, end - start,
+                  None if ok else "no token")  # fmt: skip
+
+
+async def _run(
+    url: str, workload: Workload, model: str, concurrency: int, sessions: bool
+) -> tuple[list[Result], float]:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(workload.sessions)):
+        queue.put_nowait(i)
+    results: list[Result] = []
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=conn) as http:
+
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                sid = workload.session_ids[i] if sessions else None
+                for req in workload.sessions[i]:
+                    results.append(await _one(http, url, req, model, i, sid))
+
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.monotonic() - start
+    return results, wall
+
+
+def run(
+    url: str, workload: Workload, model: str, concurrency: int, sessions: bool = True
+) -> tuple[list[Result], float]:
+    """Send ``workload`` through ``url``; the results and the wall-clock seconds it took.
+    ``sessions``: send each session's id in the session header."""
+    return asyncio.run(_run(url, workload, model, concurrency, sessions))

@@ -1,0 +1,257 @@
+"""The routers of the peers benchmark, each in a process of its own in front of the same
+engines: kvroute's proxy, SMG (``pip install smg``) and vllm-router (``pip install
+vllm-router``) from PyPI, installed in a cached virtual environment of their own
+(:func:`peers_venv`, pinned versions), and the CPU time each spends.
+
+An :class:`Arm` is one router in one configuration: how to start it (its command line for
+the engines' URLs, KV-event endpoints and tokenizer), its documented best settings per
+workload kind, and whether it takes the session header. O(1) per call; the processes are
+owned by the caller (``Router`` is a context manager that stops its process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The peers as installed from PyPI (the versions the results name).
+PEER_PACKAGES = ("smg==1.13.0", "vllm-router==0.1.17")
+REPO = Path(__file__).resolve().parents[2]
+#: The header that names a request's session (what every router here is told to read).
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What a router is put in front of: the engines' URLs, each one's KV-event endpoint
+    (``tcp://host:port``) and replay endpoint, their KV block size, and the model's folder
+    (``tokenizer.json``, ``tokenizer_config.json``)."""
+
+    urls: tuple[str, ...]
+    events: tuple[str, ...]
+    replays: tuple[str, ...]
+    block_size: int
+    model_dir: Path
+    model: str
+
+
+#: An arm's command line after the router's executable, for a fleet and a port.
+Argv = Callable[[Fleet, int], list[str]]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One router in one configuration (see the module doc)."""
+
+    name: str
+    kind: str  # "kvroute", "smg" or "vllm-router"
+    argv: Argv
+    #: Whether the benchmark sends this arm the session header (the router reads it).
+    sessions: bool = True
+
+
+def _kvroute(*extra: str) -> Argv:
+    def argv(fleet: Fleet, port: int) -> list[str]:
+        backends = [a for url in fleet.urls for a in ("--backend", url)]
+        return ["proxy", *backends, "--port", str(port), *extra]
+
+    return argv
+
+
+def _kvroute_exact(policy: str, *extra: str) -> Argv:
+    def argv(fleet: Fleet, port: int) -> list[str]:
+        tokenizer = str(fleet.model_dir / "tokenizer.json")
+        options = ["--tokenizer", tokenizer, "--block-size", str(fleet.block_size)]
+        return _kvroute("--policy", policy, *options, *extra)(fleet, port)
+
+    return argv
+
+
+def _smg(*extra: str) -> Argv:
+    def argv(fleet: Fleet, port: int) -> list[str]:
+        return [
+            "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *fleet.urls, *extra,
+        ]  # fmt: skip
+
+    return argv
+
+
+def _vllm_router(*extra: str, events: bool = False) -> Argv:
+    def argv(fleet: Fleet, port: int) -> list[str]:
+        out = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *fleet.urls]
+        if events:
+            for url, pub, replay in zip(fleet.urls, fleet.events, fleet.replays, strict=True):
+                out += ["--kv-event-source", f"{url}={pub}"]
+                out += ["--kv-event-replay-source", f"{url}={replay}"]
+            out += ["--kv-event-block-size", str(fleet.block_size)]
+            out += ["--kv-event-model", fleet.model]
+        return out + list(extra)
+
+    return argv
+
+
+ARMS: dict[str, Arm] = {
+    arm.name: arm
+    for arm in (
+        # kvroute with no flags but its backends: what a new user runs.
+        Arm("kvroute-default", "kvroute", _kvroute()),
+        # kvroute exact: the model's tokenizer, the engines' block size, their KV events.
+        Arm("kvroute-exact", "kvroute", _kvroute_exact("unified")),
+        Arm("kvroute-exact-sglang", "kvroute", _kvroute_exact("sglang_cache_aware")),
+        Arm("smg-cache-aware", "smg", _smg("--policy", "cache_aware"), sessions=False),
+        Arm(
+            "smg-cache-aware-sticky",
+            "smg",
+            _smg(
+                "--policy",
+                "cache_aware",
+                "--sticky-sessions",
+                "--routing-key-headers",
+                SESSION_HEADER,
+            ),
+        ),
+        Arm(
+            "vllm-router-kv-aware",
+            "vllm-router",
+            _vllm_router(
+                "--policy", "kv_aware", "--kv-aware-session-affinity-ttl-secs", "600", events=True
+            ),
+        ),
+        Arm("round-robin", "kvroute", _kvroute("--policy", "round_robin"), sessions=False),
+    )
+}
+
+
+def peers_venv(log: Callable[[str], None] = print) -> Path:
+    """The cached virtual environment with SMG and vllm-router (installed on first use, about
+    a minute); its ``bin`` folder."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = "-".join(p.replace("==", "") for p in PEER_PACKAGES)
+    root = cache / "kvroute" / f"peers-{tag}"
+    stamp = root / ".complete"
+    if not stamp.exists():
+        log(f"installing {', '.join(PEER_PACKAGES)} into {root}")
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(root)], check=True)
+        pip = [str(root / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "--disable-pip-version-check", *PEER_PACKAGES], check=True)
+        stamp.write_text("\n".join(PEER_PACKAGES) + "\n")
+    return root / "bin"
+
+
+def executable(kind: str, peers_bin: Path | None) -> list[str]:
+    """The command that starts a router of ``kind``."""
+    if kind == "kvroute":
+        return [str(Path(sys.executable).parent / "kvroute")]
+    if peers_bin is None:
+        raise ValueError(f"{kind} needs the peers' environment (peers_venv())")
+    return [str(peers_bin / ("smg" if kind == "smg" else "vllm-router"))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry.name)] = int(fields[1])
+            times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, p in parents.items():
+            if p == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(times.get(p, 0.0) for p in tree)
+
+
+class Router:
+    """A started router (see :func:`start`)."""
+
+    def __init__(self, arm: Arm, process: subprocess.Popen[bytes], url: str, log: Path):
+        self.arm, self.process, self.url, self.log = arm, process, url, log
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.process.pid)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start(
+    arm: Arm,
+    fleet: Fleet,
+    port: int,
+    log_dir: Path,
+    peers_bin: Path | None,
+    ready: Callable[[str], bool],
+    timeout_s: float = 120.0,
+) -> Router:
+    """Start ``arm`` on ``port`` in front of ``fleet`` and wait until ``ready(url)`` (a
+    request through it answered); its log in ``log_dir``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{arm.name}-{port}.log"
+    argv = [*executable(arm.kind, peers_bin), *arm.argv(fleet, port)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RUST_LOG": "warn"}
+    with open(log, "ab") as out:
+        out.write(("$ " + " ".join(argv) + "\n").encode())
+        out.flush()
+        process = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+    router = Router(arm, process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{arm.name} exited with {process.returncode}:\n{tail}")
+        if _answers(router.url) and ready(router.url):
+            return router
+        if time.monotonic() > deadline:
+            router.stop()
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{arm.name} not ready after {timeout_s:.0f} s:\n{tail}")
+        time.sleep(0.5)
+
+
+def _answers(url: str) -> bool:
+    for path in ("/health", "/v1/models"):
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + path, timeout=5) as r:
+            if r.status == 200:
+                return True
+    return False
+
+
+def arms(names: Sequence[str]) -> list[Arm]:
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown}; the arms are {', '.join(ARMS)}")
+    return [ARMS[n] for n in names]

@@ -1,0 +1,271 @@
+"""The peers benchmark: kvroute against SMG and vllm-router (from PyPI) on two real vLLM CPU
+engines, on the same workloads, arms alternating over rounds (the machine drifts).
+
+    .venv/bin/python benches/peers/run.py [--workloads a,b] [--loads light,heavy]
+        [--arms ...] [--rounds 3] [--json out.json] [--markdown out.md]
+
+For each workload (``workloads.py``) the engines are started with the workload's KV cache
+(``KV_BYTES``), the workload is built and its APC ceiling computed on its own tokens; then
+for each load (``LOADS``: sessions in flight) and round, every arm (``routers.ARMS``) in a
+rotated order: the engines go idle and their prefix caches are emptied, the router starts
+in its own process, the workload is sent through it, and the engines' counters and the
+router's CPU time are read before and after. Per arm: the engine-reported prefix-cache hit
+rate (hits over queries, in tokens) and its share of the any-session ceiling, TTFT
+p50/p90/p99, mean end to end, requests per second, requests per engine, and the router's CPU
+milliseconds per request. The table gives each figure's median over the rounds with its
+range. ``make bench-peers`` runs it with the defaults; the results are in
+``benches/README.md`` ("Peers").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import client
+import engines
+import routers
+import workloads
+
+#: KV cache bytes per engine, per workload (the tiny model: 512 bytes a token).
+KV_BYTES = {
+    "agentic-text": 48 << 20,
+    "agentic-chat": 48 << 20,
+    "prefix-repetition": 32 << 20,
+    "mooncake-ids": 48 << 20,
+}
+#: Sessions (or, without sessions, requests) in flight per load.
+LOADS = {"light": 2, "heavy": 16}
+DEFAULT_ARMS = (
+    "kvroute-default",
+    "kvroute-exact",
+    "smg-cache-aware",
+    "smg-cache-aware-sticky",
+    "vllm-router-kv-aware",
+    "round-robin",
+)
+
+
+@dataclass
+class ArmRun:
+    """One arm's run of one workload at one load in one round."""
+
+    workload: str
+    load: str
+    round: int
+    arm: str
+    requests: int
+    errors: int
+    hit_rate: float
+    ceiling_share: float
+    ttft_ms: dict[str, float]
+    mean_e2e_ms: float
+    req_per_s: float
+    per_engine: list[int]
+    cpu_ms_per_req: float
+    error_samples: list[str] = field(default_factory=list)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measure_arm(
+    arm: routers.Arm,
+    fleet: routers.Fleet,
+    work: workloads.Workload,
+    ceiling: float,
+    concurrency: int,
+    log_dir: Path,
+    peers_bin: Path | None,
+) -> dict[str, Any]:
+    """One arm's figures on ``work`` (see the module doc)."""
+    urls = list(fleet.urls)
+    port = engines.realvllm.free_ports(1)[0]
+
+    def ready(url: str) -> bool:
+        body = {"prompt": "ready?", "max_tokens": 1, "stream": True}
+        probe = workloads.Request("/v1/completions", body)
+        res, _ = client.run(url, workloads.Workload("probe", [[probe]], [None]), fleet.model, 1)
+        return res[0].ok
+
+    with routers.start(arm, fleet, port, log_dir, peers_bin, ready) as router:
+        engines.reset(urls)
+        before = [engines.counters(u) for u in urls]
+        cpu0 = router.cpu_seconds()
+        results, wall = client.run(router.url, work, fleet.model, concurrency, arm.sessions)
+        cpu1 = router.cpu_seconds()
+        time.sleep(0.5)  # the engines' last counters
+        after = [engines.counters(u) for u in urls]
+    hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
+    queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
+    hit_rate = hits / queries if queries else 0.0
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "hit_rate": hit_rate,
+        "ceiling_share": hit_rate / ceiling if ceiling else 0.0,
+        "ttft_ms": {q: _quantile(ttfts, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+        "mean_e2e_ms": statistics.fmean(r.e2e * 1e3 for r in ok) if ok else float("nan"),
+        "req_per_s": len(ok) / wall if wall else 0.0,
+        "per_engine": [int(a.requests - b.requests) for a, b in zip(after, before, strict=True)],
+        "cpu_ms_per_req": (cpu1 - cpu0) * 1e3 / max(len(results), 1),
+        "error_samples": [r.error or "" for r in results if not r.ok][:3],
+    }
+
+
+def _median_range(values: list[float], fmt: str) -> str:
+    if len(values) == 1:
+        return fmt.format(values[0])
+    mid = statistics.median(values)
+    return f"{fmt.format(mid)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
+    """One table per workload and load: each arm's medians over the rounds, with ranges."""
+    out = []
+    keys = sorted({(r.workload, r.load) for r in runs}, key=lambda k: (k[0], k[1] != "light"))
+    for wl, load in keys:
+        c = ceilings[wl]
+        out.append(
+            f"\n**{wl}, {load} load** (ceiling: any-session {c['any_session']:.1%}, "
+            f"intra-session {c['intra_session']:.1%})\n"
+        )
+        out.append(
+            "| arm | rounds | hit % | of ceiling | TTFT p50 ms | p90 | p99 | mean E2E ms "
+            "| req/s | per engine | router CPU ms/req | errors |"
+        )
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+        arms = list(dict.fromkeys(r.arm for r in runs if (r.workload, r.load) == (wl, load)))
+        for arm in arms:
+            rs = [r for r in runs if (r.workload, r.load, r.arm) == (wl, load, arm)]
+            engines_ = "/".join(
+                str(int(statistics.median(x)))
+                for x in zip(*(r.per_engine for r in rs), strict=True)
+            )
+            out.append(
+                f"| {arm} | {len(rs)} "
+                f"| {_median_range([100 * r.hit_rate for r in rs], '{:.1f}')} "
+                f"| {_median_range([100 * r.ceiling_share for r in rs], '{:.0f}%')} "
+                f"| {_median_range([r.ttft_ms['p50'] for r in rs], '{:.0f}')} "
+                f"| {_median_range([r.ttft_ms['p90'] for r in rs], '{:.0f}')} "
+                f"| {_median_range([r.ttft_ms['p99'] for r in rs], '{:.0f}')} "
+                f"| {_median_range([r.mean_e2e_ms for r in rs], '{:.0f}')} "
+                f"| {_median_range([r.req_per_s for r in rs], '{:.2f}')} "
+                f"| {engines_} "
+                f"| {_median_range([r.cpu_ms_per_req for r in rs], '{:.2f}')} "
+                f"| {sum(r.errors for r in rs)} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def build(
+    name: str, fleet: routers.Fleet, sessions: int | None, turns: int | None
+) -> workloads.Workload:
+    """Workload ``name``, its sessions per source and turns per session cut as given."""
+    url = fleet.urls[0]
+    if name in ("agentic-text", "agentic-chat"):
+        return workloads.agentic(url, fleet.model, name == "agentic-chat", sessions, turns)
+    if name == "prefix-repetition":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(fleet.model_dir / "tokenizer.json"))
+        return workloads.prefix_repetition(url, fleet.model, tok.decode)
+    if name == "mooncake-ids":
+        return workloads.mooncake_ids(None if sessions is None else 2 * sessions)
+    raise ValueError(f"unknown workload {name!r}; the workloads are {workloads.WORKLOADS}")
+
+
+def run(
+    names: list[str],
+    loads: list[str],
+    arm_names: list[str],
+    rounds: int,
+    log_dir: Path,
+    sessions: int | None = None,
+    turns: int | None = None,
+    progress: Any = print,
+) -> tuple[list[ArmRun], dict[str, dict[str, float]], dict[str, Any]]:
+    """Every workload x load x round x arm (see the module doc); the runs, each workload's
+    ceilings, and the run's facts (versions, sizes). ``sessions`` and ``turns`` cut the
+    workloads (:func:`build`)."""
+    arms = routers.arms(arm_names)
+    peers_bin = routers.peers_venv(progress) if any(a.kind != "kvroute" for a in arms) else None
+    runs: list[ArmRun] = []
+    ceilings: dict[str, dict[str, float]] = {}
+    facts: dict[str, Any] = {
+        "peers": list(routers.PEER_PACKAGES),
+        "vllm": engines.realvllm.VLLM_VERSION,
+        "loads": {k: LOADS[k] for k in loads},
+        "kv_bytes": {}, "requests": {}, "output_tokens": workloads.OUTPUT_TOKENS,
+    }  # fmt: skip
+    for name in names:
+        with engines.Engines(KV_BYTES[name], log_dir / "vllm") as eng:
+            work = build(name, eng.fleet, sessions, turns)
+            ceilings[name] = workloads.ceiling(work, eng.fleet.block_size)
+            facts["kv_bytes"][name] = KV_BYTES[name]
+            facts["requests"][name] = work.requests
+            for load in loads:
+                for rnd in range(rounds):
+                    k = rnd % len(arms)
+                    order = arms[k:] + arms[:k]
+                    for arm in order:
+                        got = measure_arm(
+                            arm, eng.fleet, work, ceilings[name]["any_session"], LOADS[load],
+                            log_dir / "routers", peers_bin,
+                        )  # fmt: skip
+                        runs.append(ArmRun(name, load, rnd, arm.name, **got))
+                        progress(
+                            f"{name} {load} round {rnd + 1}/{rounds} {arm.name}: "
+                            f"hit {got['hit_rate']:.1%}, TTFT p50 {got['ttft_ms']['p50']:.0f} ms, "
+                            f"errors {got['errors']}"
+                        )
+    return runs, ceilings, facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(workloads.WORKLOADS))
+    parser.add_argument("--loads", default="light,heavy")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=None, help="sessions per trace folder")
+    parser.add_argument("--turns", type=int, default=None, help="turns per session")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-peers-"))
+    started = time.time()
+    runs, ceilings, facts = run(
+        split(args.workloads), split(args.loads), split(args.arms), args.rounds, log_dir,
+        args.sessions, args.turns,
+    )  # fmt: skip
+    facts["seconds"] = round(time.time() - started)
+    table = markdown(runs, ceilings)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    if args.json:
+        doc = {"facts": facts, "ceilings": ceilings, "runs": [asdict(r) for r in runs]}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
