@@ -1,6 +1,7 @@
 """The peers benchmark's engines: two real vLLM CPU engines (``tests/realvllm.py``, one core
 each, KV events with a replay socket), their counters read from ``/metrics`` (prefix-cache
-hits and queries in tokens, finished requests), and a reset to cold caches between arms.
+hits and queries in tokens, finished requests, preemptions), and a reset to cold caches
+between arms.
 O(engines) HTTP calls per read.
 """
 
@@ -27,6 +28,7 @@ class Counters:
     queries: float
     requests: float
     running: float
+    preemptions: float
 
 
 def counters(url: str) -> Counters:
@@ -34,13 +36,14 @@ def counters(url: str) -> Counters:
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    got = {"hits": 0.0, "queries": 0.0, "requests": 0.0, "running": 0.0}
     names = {
         "vllm:prefix_cache_hits_total": "hits",
         "vllm:prefix_cache_queries_total": "queries",
         "vllm:request_success_total": "requests",
         "vllm:num_requests_running": "running",
+        "vllm:num_preemptions_total": "preemptions",
     }
+    got = dict.fromkeys(names.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in names:

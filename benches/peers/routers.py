@@ -43,8 +43,9 @@ class Fleet:
     model: str
 
 
-#: An arm's command line after the router's executable, for a fleet and a port.
-Argv = Callable[[Fleet, int], list[str]]
+#: An arm's command line after the router's executable, for a fleet, its port and a port for
+#: its own metrics server (the peers bind one, 29000 by default).
+Argv = Callable[[Fleet, int, int], list[str]]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Arm:
 
 
 def _kvroute(*extra: str) -> Argv:
-    def argv(fleet: Fleet, port: int) -> list[str]:
+    def argv(fleet: Fleet, port: int, _metrics: int) -> list[str]:
         backends = [a for url in fleet.urls for a in ("--backend", url)]
         return ["proxy", *backends, "--port", str(port), *extra]
 
@@ -67,18 +68,19 @@ def _kvroute(*extra: str) -> Argv:
 
 
 def _kvroute_exact(policy: str, *extra: str) -> Argv:
-    def argv(fleet: Fleet, port: int) -> list[str]:
+    def argv(fleet: Fleet, port: int, metrics: int) -> list[str]:
         tokenizer = str(fleet.model_dir / "tokenizer.json")
         options = ["--tokenizer", tokenizer, "--block-size", str(fleet.block_size)]
-        return _kvroute("--policy", policy, *options, *extra)(fleet, port)
+        return _kvroute("--policy", policy, *options, *extra)(fleet, port, metrics)
 
     return argv
 
 
 def _smg(*extra: str) -> Argv:
-    def argv(fleet: Fleet, port: int) -> list[str]:
+    def argv(fleet: Fleet, port: int, metrics: int) -> list[str]:
         return [
             "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
             "--worker-urls", *fleet.urls, *extra,
         ]  # fmt: skip
 
@@ -86,8 +88,9 @@ def _smg(*extra: str) -> Argv:
 
 
 def _vllm_router(*extra: str, events: bool = False) -> Argv:
-    def argv(fleet: Fleet, port: int) -> list[str]:
+    def argv(fleet: Fleet, port: int, metrics: int) -> list[str]:
         out = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *fleet.urls]
+        out += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)]
         if events:
             for url, pub, replay in zip(fleet.urls, fleet.events, fleet.replays, strict=True):
                 out += ["--kv-event-source", f"{url}={pub}"]
@@ -104,6 +107,15 @@ ARMS: dict[str, Arm] = {
     for arm in (
         # kvroute with no flags but its backends: what a new user runs.
         Arm("kvroute-default", "kvroute", _kvroute()),
+        # The same with the block size it had before it read the engines' (512 tokens).
+        Arm("kvroute-block512", "kvroute", _kvroute("--block-size", "512")),
+        # Policies of its own with no other flag.
+        Arm("kvroute-sglang", "kvroute", _kvroute("--policy", "sglang_cache_aware")),
+        Arm(
+            "kvroute-dynamo8",
+            "kvroute",
+            _kvroute("--policy", "dynamo_cost", "--router-option", "overlap_weight=8"),
+        ),
         # kvroute exact: the model's tokenizer, the engines' block size, their KV events.
         Arm("kvroute-exact", "kvroute", _kvroute_exact("unified")),
         Arm("kvroute-exact-sglang", "kvroute", _kvroute_exact("sglang_cache_aware")),
@@ -208,17 +220,18 @@ class Router:
 def start(
     arm: Arm,
     fleet: Fleet,
-    port: int,
+    ports: tuple[int, int],
     log_dir: Path,
     peers_bin: Path | None,
     ready: Callable[[str], bool],
     timeout_s: float = 120.0,
 ) -> Router:
-    """Start ``arm`` on ``port`` in front of ``fleet`` and wait until ``ready(url)`` (a
-    request through it answered); its log in ``log_dir``."""
+    """Start ``arm`` on ``ports`` (its own, its metrics server's) in front of ``fleet`` and
+    wait until ``ready(url)`` (a request through it answered); its log in ``log_dir``."""
+    port, metrics = ports
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{arm.name}-{port}.log"
-    argv = [*executable(arm.kind, peers_bin), *arm.argv(fleet, port)]
+    argv = [*executable(arm.kind, peers_bin), *arm.argv(fleet, port, metrics)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "RUST_LOG": "warn"}
     with open(log, "ab") as out:
         out.write(("$ " + " ".join(argv) + "\n").encode())

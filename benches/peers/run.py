@@ -44,7 +44,7 @@ KV_BYTES = {
     "mooncake-ids": 48 << 20,
 }
 #: Sessions (or, without sessions, requests) in flight per load.
-LOADS = {"light": 2, "heavy": 16}
+LOADS = {"light": 2, "heavy": 8}
 DEFAULT_ARMS = (
     "kvroute-default",
     "kvroute-exact",
@@ -71,6 +71,8 @@ class ArmRun:
     mean_e2e_ms: float
     req_per_s: float
     per_engine: list[int]
+    per_engine_hit_rate: list[float]
+    preemptions: int
     cpu_ms_per_req: float
     error_samples: list[str] = field(default_factory=list)
 
@@ -93,7 +95,7 @@ def measure_arm(
 ) -> dict[str, Any]:
     """One arm's figures on ``work`` (see the module doc)."""
     urls = list(fleet.urls)
-    port = engines.realvllm.free_ports(1)[0]
+    port, metrics = engines.realvllm.free_ports(2)
 
     def ready(url: str) -> bool:
         body = {"prompt": "ready?", "max_tokens": 1, "stream": True}
@@ -101,7 +103,7 @@ def measure_arm(
         res, _ = client.run(url, workloads.Workload("probe", [[probe]], [None]), fleet.model, 1)
         return res[0].ok
 
-    with routers.start(arm, fleet, port, log_dir, peers_bin, ready) as router:
+    with routers.start(arm, fleet, (port, metrics), log_dir, peers_bin, ready) as router:
         engines.reset(urls)
         before = [engines.counters(u) for u in urls]
         cpu0 = router.cpu_seconds()
@@ -109,8 +111,9 @@ def measure_arm(
         cpu1 = router.cpu_seconds()
         time.sleep(0.5)  # the engines' last counters
         after = [engines.counters(u) for u in urls]
-    hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
-    queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
+    pairs = list(zip(after, before, strict=True))
+    hits = sum(a.hits - b.hits for a, b in pairs)
+    queries = sum(a.queries - b.queries for a, b in pairs)
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
     hit_rate = hits / queries if queries else 0.0
@@ -122,10 +125,26 @@ def measure_arm(
         "ttft_ms": {q: _quantile(ttfts, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "mean_e2e_ms": statistics.fmean(r.e2e * 1e3 for r in ok) if ok else float("nan"),
         "req_per_s": len(ok) / wall if wall else 0.0,
-        "per_engine": [int(a.requests - b.requests) for a, b in zip(after, before, strict=True)],
+        "per_engine": [int(a.requests - b.requests) for a, b in pairs],
+        "per_engine_hit_rate": [
+            (a.hits - b.hits) / (a.queries - b.queries) if a.queries > b.queries else 0.0
+            for a, b in pairs
+        ],
+        "preemptions": int(sum(a.preemptions - b.preemptions for a, b in pairs)),
         "cpu_ms_per_req": (cpu1 - cpu0) * 1e3 / max(len(results), 1),
         "error_samples": [r.error or "" for r in results if not r.ok][:3],
     }
+
+
+def _failed(requests: int, engines_: int, why: str) -> dict[str, Any]:
+    """The figures of an arm whose router did not start: every request an error."""
+    nan = float("nan")
+    return {
+        "requests": requests, "errors": requests, "hit_rate": nan, "ceiling_share": nan,
+        "ttft_ms": {"p50": nan, "p90": nan, "p99": nan}, "mean_e2e_ms": nan, "req_per_s": 0.0,
+        "per_engine": [0] * engines_, "per_engine_hit_rate": [nan] * engines_,
+        "preemptions": 0, "cpu_ms_per_req": nan, "error_samples": [why[-300:]],
+    }  # fmt: skip
 
 
 def _median_range(values: list[float], fmt: str) -> str:
@@ -147,15 +166,17 @@ def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
         )
         out.append(
             "| arm | rounds | hit % | of ceiling | TTFT p50 ms | p90 | p99 | mean E2E ms "
-            "| req/s | per engine | router CPU ms/req | errors |"
+            "| req/s | per engine (hit %) | preemptions | router CPU ms/req | errors |"
         )
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
         arms = list(dict.fromkeys(r.arm for r in runs if (r.workload, r.load) == (wl, load)))
         for arm in arms:
             rs = [r for r in runs if (r.workload, r.load, r.arm) == (wl, load, arm)]
-            engines_ = "/".join(
-                str(int(statistics.median(x)))
-                for x in zip(*(r.per_engine for r in rs), strict=True)
+            counts = zip(*(r.per_engine for r in rs), strict=True)
+            rates = zip(*(r.per_engine_hit_rate for r in rs), strict=True)
+            engines_ = " / ".join(
+                f"{statistics.median(n):.0f} ({100 * statistics.median(h):.0f}%)"
+                for n, h in zip(counts, rates, strict=True)
             )
             out.append(
                 f"| {arm} | {len(rs)} "
@@ -167,6 +188,7 @@ def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
                 f"| {_median_range([r.mean_e2e_ms for r in rs], '{:.0f}')} "
                 f"| {_median_range([r.req_per_s for r in rs], '{:.2f}')} "
                 f"| {engines_} "
+                f"| {_median_range([float(r.preemptions) for r in rs], '{:.0f}')} "
                 f"| {_median_range([r.cpu_ms_per_req for r in rs], '{:.2f}')} "
                 f"| {sum(r.errors for r in rs)} |"
             )
@@ -224,10 +246,13 @@ def run(
                     k = rnd % len(arms)
                     order = arms[k:] + arms[:k]
                     for arm in order:
-                        got = measure_arm(
-                            arm, eng.fleet, work, ceilings[name]["any_session"], LOADS[load],
-                            log_dir / "routers", peers_bin,
-                        )  # fmt: skip
+                        try:
+                            got = measure_arm(
+                                arm, eng.fleet, work, ceilings[name]["any_session"],
+                                LOADS[load], log_dir / "routers", peers_bin,
+                            )  # fmt: skip
+                        except RuntimeError as exc:  # the router did not start
+                            got = _failed(work.requests, len(eng.fleet.urls), str(exc))
                         runs.append(ArmRun(name, load, rnd, arm.name, **got))
                         progress(
                             f"{name} {load} round {rnd + 1}/{rounds} {arm.name}: "

@@ -20,6 +20,7 @@ the engine's own template): O(requests) HTTP calls, once per run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.request
 from collections.abc import Callable
@@ -77,10 +78,13 @@ def _generation(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _agent_sessions(max_sessions: int | None, max_turns: int | None) -> list[tuple[str, list[str]]]:
-    """(session id, its prompts in time order) of the agent traces, miniswe then taubench,
-    each cut at its first prompt over ``MAX_PROMPT_CHARS`` and after ``max_turns``."""
-    out = []
+    """(session id, its prompts in time order) of the agent traces, a miniswe session and a
+    taubench one in turn, each cut at its first prompt over ``MAX_PROMPT_CHARS`` and after
+    ``max_turns``."""
+    by_folder: list[list[tuple[str, list[str]]]] = []
     for folder in ("miniswe", "taubench"):
+        out: list[tuple[str, list[str]]] = []
+        by_folder.append(out)
         files = sorted((AGENT_TRACES / folder).glob("*.jsonl"))
         for path in files[:max_sessions]:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -92,7 +96,8 @@ def _agent_sessions(max_sessions: int | None, max_turns: int | None) -> list[tup
                 prompts.append(r["input"])
             if prompts:
                 out.append((f"{folder}-{rows[0]['session_id']}", prompts))
-    return out
+    mixed = [s for pair in itertools.zip_longest(*by_folder) for s in pair if s is not None]
+    return mixed
 
 
 def agentic(
