@@ -45,7 +45,13 @@ def _ready(what: str) -> Any:
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--block-size", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--block-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Tokens per routing key [default: the engines' KV block size, from their "
+    "vllm:cache_config_info; 512 when none says].",
+)
 @click.option(
     "--router-option",
     "router_opts",
@@ -57,7 +63,16 @@ def _ready(what: str) -> Any:
     "--tokenizer",
     default="approx",
     show_default=True,
-    help="Keys for text prompts: approx, backend, or a tokenizer.json path.",
+    help="Keys for text prompts: approx, backend, or a model folder or its tokenizer.json "
+    "(as --model).",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False, path_type=str),
+    help="The served model's folder (tokenizer.json, chat template): text and chat prompts "
+    "are keyed as vLLM tokenizes them, in Rust.",
 )
 @click.option("--session-header", default="X-Session-Id", show_default=True)
 @click.option(
@@ -125,14 +140,24 @@ def _ready(what: str) -> Any:
 def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
     from kvroute.proxy import Proxy, ProxyConfig
+    from kvroute.proxy.discover import block_size
 
-    options = {"block_size": kw["block_size"], **_pairs(kw["router_opts"], "--router-option")}
+    tokenizer = kw["tokenizer"]
+    if kw["model_dir"] is not None:
+        if tokenizer != "approx":
+            raise click.UsageError("--model and --tokenizer are alternatives: give one")
+        tokenizer = kw["model_dir"]
+    block = kw["block_size"]
+    if block is None:
+        block, why = block_size(list(kw["backends"]))
+        click.echo(f"kvroute proxy: block size {block} ({why})", err=True)
+    options = {"block_size": block, **_pairs(kw["router_opts"], "--router-option")}
     try:
         config = ProxyConfig(
             backends=list(kw["backends"]),
             policy=kw["policy"],
             router_options=options,
-            tokenizer=kw["tokenizer"],
+            tokenizer=tokenizer,
             session_header=kw["session_header"],
             session_field=kw["session_field"] or None,
             max_body_bytes=kw["max_body_bytes"],

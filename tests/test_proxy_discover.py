@@ -1,0 +1,57 @@
+"""What ``kvroute proxy`` finds out about its backends before it starts
+(``kvroute.proxy.discover``): the engines' KV block size from ``vllm:cache_config_info``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from click.testing import CliRunner
+
+from kvroute.emulator import EmulatorConfig, emulator_app
+from kvroute.proxy import ServerThread
+from kvroute.proxy.discover import FALLBACK_BLOCK_SIZE, block_size
+
+DEAD = "http://127.0.0.1:9"
+
+
+def _engines(*kv_block_sizes: int) -> tuple[ServerThread, list[str]]:
+    st = ServerThread()
+    urls = [
+        st.start(emulator_app(EmulatorConfig(overrides={"kv_block_size": size})))
+        for size in kv_block_sizes
+    ]
+    return st, urls
+
+
+def test_the_engines_block_size_is_found(caplog: pytest.LogCaptureFixture) -> None:
+    st, urls = _engines(32, 32, 16)
+    try:
+        assert block_size(urls[:2]) == (32, "vllm:cache_config_info of 2 of 2 backend(s)")
+        # A backend that does not answer is left out.
+        assert block_size([urls[0], DEAD]) == (32, "vllm:cache_config_info of 1 of 2 backend(s)")
+        # Engines that differ: the most common size, and a warning naming each.
+        with caplog.at_level(logging.WARNING, "kvroute.proxy"):
+            assert block_size(urls)[0] == 32
+        assert "block sizes differ" in caplog.text and f"{urls[2]}: 16" in caplog.text
+    finally:
+        st.close()
+    size, why = block_size([DEAD])
+    assert size == FALLBACK_BLOCK_SIZE and "--block-size" in why
+    assert block_size([])[0] == FALLBACK_BLOCK_SIZE
+
+
+def test_the_proxy_command_says_what_it_chose() -> None:
+    """``kvroute proxy`` without ``--block-size`` asks the engines and says what it chose
+    (here it then stops: the port cannot be bound)."""
+    from kvroute.cli import main
+
+    st, urls = _engines(32)
+    try:
+        args = ["proxy", "--backend", urls[0], "--host", "256.0.0.1", "--port", "1"]
+        done = CliRunner().invoke(main, args)
+    finally:
+        st.close()
+    assert "kvroute proxy: block size 32 (vllm:cache_config_info of 1 of 1 backend(s))" in (
+        done.output
+    ), done.output
