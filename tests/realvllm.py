@@ -392,6 +392,7 @@ def engine_command(
         "--block-size", str(BLOCK_SIZE),
         "--enable-prompt-tokens-details",
         "--enforce-eager",
+        "--trust-request-chat-template",  # the golden test of chat templates sends its own
         "--host", "127.0.0.1",
         "--port", str(port),
         "--kv-events-config", json.dumps(events),

@@ -204,6 +204,7 @@ def chat_turns(s: RealStack, session: str, turns: int, **extra: Any) -> list[tup
     return out
 
 
+@pytest.mark.parametrize("keys", ["backend", "model"])
 @pytest.mark.parametrize(
     "extra",
     [
@@ -213,11 +214,13 @@ def chat_turns(s: RealStack, session: str, turns: int, **extra: Any) -> list[tup
     ids=["text", "token_ids"],
 )
 def test_the_estimate_equals_the_engines_cached_tokens(
-    engines: Engines, extra: dict[str, Any]
+    engines: Engines, extra: dict[str, Any], keys: str
 ) -> None:
     """Multi-turn chat, no eviction: the router's estimate is the engine's ``cached_tokens``
-    on every request, including the blocks vLLM stored while decoding each answer."""
-    with RealStack(engines, policy="unified") as s:
+    on every request, including the blocks vLLM stored while decoding each answer; with the
+    backend's ``/tokenize``, and with the model's folder (keyed by the relay in Rust)."""
+    tokenizer = str(engines.model) if keys == "model" else "backend"
+    with RealStack(engines, policy="unified", tokenizer=tokenizer) as s:
         got = [pair for session in "abcd" for pair in chat_turns(s, session, 4, **extra)]
         s.assert_idle()
     assert [est for est, _ in got] == [cached for _, cached in got], got

@@ -14,6 +14,7 @@ __all__ = [
     "EngineModel",
     "Relay",
     "Router",
+    "TextModel",
     "__version__",
     "block_hashes",
     "ceilings",
@@ -24,6 +25,7 @@ __all__ = [
     "engine_presets",
     "policies",
     "prompt_ids",
+    "relay_text_prompt",
     "relay_token_prompt",
     "sequence_keys",
     "simulate_runs",
@@ -229,6 +231,7 @@ class Relay:
         header_read_timeout_s: float = 30.0,
         max_connections: int = 8192,
         upstream_idle_timeout_s: float = 30.0,
+        model: TextModel | None = None,
     ) -> Relay: ...
     def set_backend(
         self, index: int, url: str, address: tuple[str, str, int], host: str, prefix: str
@@ -244,6 +247,25 @@ def relay_token_prompt(
     session_field: str | None = None,
     session_header: str | None = None,
 ) -> tuple[npt.NDArray[np.uint64], int, bool, int | str | None] | None: ...
+def relay_text_prompt(
+    model: TextModel,
+    body: bytes,
+    chat: bool,
+    block_size: int,
+    session_field: str | None = None,
+    session_header: str | None = None,
+) -> tuple[npt.NDArray[np.uint64], int, bool, int | str | None] | None: ...
+
+@final
+class TextModel:
+    def __new__(cls, dir: str | os.PathLike[str]) -> TextModel: ...
+    @property
+    def dir(self) -> str: ...
+    @property
+    def template_error(self) -> str | None: ...
+    def encode(self, text: str, special: bool = True) -> list[int]: ...
+    def render_chat(self, body: bytes) -> str: ...
+    def prompt_ids(self, body: bytes, chat: bool) -> list[int] | None: ...
 
 class CeilingTotals(TypedDict):
     ratio: float

@@ -125,6 +125,7 @@ class Proxy:
             decision_log=c.decision_log,
             header_read_timeout_s=c.header_read_timeout_s,
             max_connections=c.max_connections,
+            model=self.keyer.model,
         )
         self.pool.attach(self._relay)
         return bound

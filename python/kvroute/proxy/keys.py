@@ -9,8 +9,11 @@ the keys a trace of these ids would have). Text prompts, and chat messages rende
   ``input_length = ceil(bytes / 4)``. Prefix-stable (a prompt extending another shares its
   leading keys), about 5 µs per 10 kB, but lengths are estimates and block edges do not fall on
   the engine's token blocks: hit estimates are right in proportion, not to the token.
-* a ``tokenizer.json`` path: the model's own token ids (the ``tokenizers`` package); exact for
-  completions, exact up to the chat template for chat. Costs the tokenizer's own time.
+* a model folder (or its ``tokenizer.json``): the ids vLLM computes, by the model's own
+  tokenizer and chat template in the Rust core (:class:`kvroute._core.TextModel`, the same
+  object the relay keys text with, so the two agree); a chat its template cannot render
+  (an image part, a template that raises) is rendered as ChatML and tokenized by the model's
+  tokenizer. Costs the tokenizer's and the template's own time, with the GIL released.
 * ``backend``: the ids the backend's ``/tokenize`` returns (vLLM applies the model's chat
   template too): exact, at the cost of one extra round-trip to a backend per text request.
   When it fails the request is keyed ``approx``.
@@ -29,16 +32,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 import kvroute
-from kvroute._core import prompt_ids
-from kvroute.errors import KvrouteError
+from kvroute._core import TextModel, prompt_ids
+from kvroute.errors import InvalidArgumentError, KvrouteError
 from kvroute.proxy.prompts import BadRequest, Prompt, chat_messages, parse_body, request_prompt
-from kvroute.tokenize import Tokenizer, load_tokenizer
 
 APPROX_BYTES_PER_TOKEN = 4
 #: Longest session id accepted (header or body field), in bytes.
@@ -64,6 +67,19 @@ def approx_keys(text: str, block_size: int) -> tuple[Keys, int]:
     return keys, -(-len(data) // APPROX_BYTES_PER_TOKEN)
 
 
+def load_model(path: str) -> TextModel:
+    """The model of a folder, or of the folder of a ``tokenizer.json``; a clear error when
+    it has no usable tokenizer."""
+    folder = Path(path)
+    if folder.name == "tokenizer.json":
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InvalidArgumentError(
+            f"{path}: not a model folder (with tokenizer.json) nor a tokenizer.json"
+        )
+    return TextModel(folder)
+
+
 class Keyer:
     """Turns request bodies into ``(keys, input_length)``."""
 
@@ -71,9 +87,10 @@ class Keyer:
         self.mode = mode
         self.block_size = block_size
         self._remote = remote
-        self._tokenizer: Tokenizer | None = None
+        #: The model that keys text (a folder or ``tokenizer.json`` mode).
+        self.model: TextModel | None = None
         if mode not in ("approx", "backend"):
-            self._tokenizer = load_tokenizer(mode)
+            self.model = load_model(mode)
 
     def token_keys(self, ids: Any) -> Keyed:
         try:
@@ -108,6 +125,8 @@ class Keyer:
             else:
                 return body, self.token_keys(ids)
         body = parse_body(raw)
+        if self.model is not None:
+            return body, self.model_keys(raw, body, chat)
         return body, self.keys_now(body, chat)
 
     async def keys(self, body: dict[str, Any], chat: bool) -> Keyed:
@@ -117,14 +136,29 @@ class Keyer:
 
     def keys_now(self, body: dict[str, Any], chat: bool) -> Keyed | None:
         """:meth:`keys` without the round-trip: None when it would take one."""
+        if self.model is not None:
+            return self.model_keys(json.dumps(body).encode(), body, chat)
         prompt: Prompt = request_prompt(body, chat)
         if isinstance(prompt, list):
             return self.token_keys(prompt)
-        if self._tokenizer is not None:
-            return self.token_keys(self._tokenizer.encode(prompt))
         if self.mode == "backend" and self._remote is not None:
             return None
         return Keyed(*approx_keys(prompt, self.block_size))
+
+    def model_keys(self, raw: bytes, body: dict[str, Any], chat: bool) -> Keyed:
+        """Keys of a body (``raw``, parsed as ``body``) by the model: the ids vLLM computes
+        (see the module doc)."""
+        assert self.model is not None
+        prompt: Prompt = request_prompt(body, chat)  # checks the body as every mode does
+        if isinstance(prompt, list):
+            return self.token_keys(prompt)
+        try:
+            ids = self.model.prompt_ids(raw, chat)
+        except InvalidArgumentError:  # a chat the template cannot render
+            ids = None
+        if ids is None:  # that chat as ChatML, or a batch's first prompt
+            ids = self.model.encode(prompt, not chat)
+        return self.token_keys(np.asarray(ids, dtype=np.uint32))
 
     async def remote_keys(self, body: dict[str, Any], chat: bool) -> Keyed:
         """Keys of a text prompt from the backend's ``/tokenize`` (``approx`` when it fails)."""
@@ -162,9 +196,9 @@ class Keyer:
             return ids, generated if generated is not None else len(ids)
         if not text or not self.exact:
             return None
-        if self._tokenizer is None:
+        if self.model is None:
             return TextOutput(text, generated)
-        got = self._tokenizer.encode(text)
+        got = np.asarray(self.model.encode(text, False), dtype=np.uint32)
         return got, generated if generated is not None else len(got)
 
     async def output(self, raw: bytes, stream: bool) -> tuple[Any, int] | None:

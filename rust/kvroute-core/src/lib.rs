@@ -35,6 +35,7 @@ pub mod router;
 pub mod sessions;
 pub mod sim;
 mod stamped;
+pub mod text;
 
 pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};

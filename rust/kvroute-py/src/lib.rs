@@ -1,7 +1,8 @@
 //! `kvroute._core`: the PyO3 bindings of kvroute-core. One small file per exposed piece:
 //! [`router`] (the `Router` class), `relay` (the proxy's data path, on hyper), [`keys`] (key functions), [`convert`] (argument
 //! conversion), [`ceilings`] (trace ceilings over Arrow input), [`sim`] (the simulator and
-//! `EngineModel`), [`worker`] (interruptible long work)
+//! `EngineModel`), [`text`] (a model's tokenizer and chat template), [`worker`] (interruptible
+//! long work)
 //! and [`errors`] (exception mapping).
 
 mod ceilings;
@@ -13,6 +14,7 @@ mod kv_events;
 mod relay;
 mod router;
 mod sim;
+mod text;
 mod worker;
 
 use pyo3::prelude::*;
@@ -20,6 +22,7 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::PyRouter>()?;
+    m.add_class::<text::PyTextModel>()?;
     m.add_function(wrap_pyfunction!(keys::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(keys::chain_ids, m)?)?;
     m.add_function(wrap_pyfunction!(keys::chain_ids_lists, m)?)?;
@@ -32,6 +35,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<relay::PyRelay>()?;
     #[cfg(unix)]
     m.add_function(wrap_pyfunction!(relay::relay_token_prompt, m)?)?;
+    #[cfg(unix)]
+    m.add_function(wrap_pyfunction!(relay::relay_text_prompt, m)?)?;
     m.add_class::<sim::engine_model::PyEngineModel>()?;
     m.add_function(wrap_pyfunction!(sim::simulate_runs, m)?)?;
     m.add_function(wrap_pyfunction!(sim::engine_params, m)?)?;

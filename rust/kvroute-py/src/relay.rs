@@ -8,7 +8,8 @@
 //! the router models vLLM's cache rule); `failure(index)`;
 //! `success(index)`; `log_error(message)`; and its attribute `key_may_block` says whether
 //! `key` may wait on the network (it then runs on a thread of its own), and `output_from_text`
-//! whether `output` can tokenize text (else it only gets answers with `token_ids`).
+//! whether `output` can tokenize text (else it only gets answers with `token_ids`). With a
+//! `model` (`kvroute._core.TextModel`) the relay keys text and chat bodies itself.
 //!
 //! Thread-safety: the relay's thread never holds the router lock while it waits for the GIL
 //! (lock order GIL → router, as in `router.rs`); `stop` waits without the GIL.
@@ -30,6 +31,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::convert::{keys, optional_id, token_ids};
 use crate::errors::invalid;
 use crate::router::PyRouter;
+use crate::text::PyTextModel;
 
 struct PyHooks {
     hooks: Py<PyAny>,
@@ -134,6 +136,23 @@ fn seconds(py: Python<'_>, value: f64, name: &str) -> PyResult<Duration> {
         .ok_or_else(|| invalid(py, format!("{name} must be positive, got {value}")))
 }
 
+/// `(keys, input_length, stream, session)` of a relay keying, for Python.
+fn keyed_tuple<'py>(py: Python<'py>, k: Keyed) -> PyResult<Bound<'py, PyTuple>> {
+    let session = match k.session {
+        None => py.None().into_bound(py),
+        Some(kvroute_core::Id::Int(i)) => i.into_pyobject(py)?.into_any(),
+        Some(kvroute_core::Id::Str(s)) => s.into_pyobject(py)?.into_any(),
+    };
+    let keys = numpy::PyArray1::from_vec(py, k.keys).into_any();
+    let items = [
+        keys,
+        k.input_length.into_pyobject(py)?.into_any(),
+        k.stream.into_pyobject(py)?.to_owned().into_any(),
+        session,
+    ];
+    PyTuple::new(py, items)
+}
+
 /// The relay's own keying of a completions body with a token-id prompt:
 /// `(keys, input_length, stream, session)`, or None when it leaves the body to the hooks
 /// (`kvroute_core::relay::body`). For tests that hold it to the Python keyer.
@@ -149,23 +168,31 @@ pub fn relay_token_prompt<'py>(
     if block_size == 0 {
         return Err(invalid(py, "block_size must be positive, got 0".into()));
     }
-    let Some(k) = kvroute_core::relay::body::token_prompt(body, block_size, session_field, session_header)
-    else {
-        return Ok(None);
-    };
-    let session = match k.session {
-        None => py.None().into_bound(py),
-        Some(kvroute_core::Id::Int(i)) => i.into_pyobject(py)?.into_any(),
-        Some(kvroute_core::Id::Str(s)) => s.into_pyobject(py)?.into_any(),
-    };
-    let keys = numpy::PyArray1::from_vec(py, k.keys).into_any();
-    let items = [
-        keys,
-        k.input_length.into_pyobject(py)?.into_any(),
-        k.stream.into_pyobject(py)?.to_owned().into_any(),
-        session,
-    ];
-    Ok(Some(PyTuple::new(py, items)?))
+    kvroute_core::relay::body::token_prompt(body, block_size, session_field, session_header)
+        .map(|k| keyed_tuple(py, k))
+        .transpose()
+}
+
+/// The relay's own keying of a text completions or chat body with `model`, as
+/// [`relay_token_prompt`] (`kvroute_core::relay::text`).
+#[pyfunction]
+#[pyo3(signature = (model, body, chat, block_size, session_field = None, session_header = None))]
+pub fn relay_text_prompt<'py>(
+    py: Python<'py>,
+    model: &PyTextModel,
+    body: &[u8],
+    chat: bool,
+    block_size: usize,
+    session_field: Option<&str>,
+    session_header: Option<&str>,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    if block_size == 0 {
+        return Err(invalid(py, "block_size must be positive, got 0".into()));
+    }
+    let keyed = py.detach(|| {
+        kvroute_core::relay::text_prompt(&model.model, body, chat, block_size, session_field, session_header)
+    });
+    keyed.map(|k| keyed_tuple(py, k)).transpose()
 }
 
 /// `(scheme, host, port)` as the Python side writes addresses; scheme `http` or `unix`
@@ -196,7 +223,7 @@ impl PyRelay {
     #[new]
     #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
         max_concurrency, retries, session_header, session_field = None, decision_log = None, header_read_timeout_s = 30.0,
-        max_connections = 8192, upstream_idle_timeout_s = 30.0))]
+        max_connections = 8192, upstream_idle_timeout_s = 30.0, model = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -215,6 +242,7 @@ impl PyRelay {
         header_read_timeout_s: f64,
         max_connections: usize,
         upstream_idle_timeout_s: f64,
+        model: Option<&PyTextModel>,
     ) -> PyResult<Self> {
         if listen_fd < 0 {
             return Err(invalid(py, format!("listen_fd must be a file descriptor, got {listen_fd}")));
@@ -240,6 +268,7 @@ impl PyRelay {
             block_size: usize::try_from(router_config.block_size).unwrap_or(usize::MAX),
             model_output: router_config.cache_rule == CacheRule::Vllm,
             output_from_text: hooks.bind(py).getattr("output_from_text")?.is_truthy()?,
+            text: model.map(|m| Arc::clone(&m.model)),
             side: address(py, side, "the side application")?,
             decision_log,
         };

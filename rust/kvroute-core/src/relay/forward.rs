@@ -184,15 +184,36 @@ async fn run(job: &Job, req: &Request) -> Answer {
     unreachable!("the last attempt answers")
 }
 
-/// The request's routing inputs, from the hooks (off the event loop when they may block).
+/// Bodies at least this long are keyed with the model off the event loop (a tokenizer takes
+/// about a microsecond a byte).
+const TEXT_INLINE_BYTES: usize = 512;
+
+/// The request's routing inputs: a token-id prompt's by the relay; a text or chat prompt's
+/// with the model when there is one (off the event loop for a long body); the rest from the
+/// hooks (off the event loop when they may block).
 async fn key(sh: &Arc<Shared>, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
     let header = req.session_header(&sh.config.session_header);
+    let c = &sh.config;
     if !chat {
-        let c = &sh.config;
         let session = header.as_deref();
         if let Some(k) =
             super::body::token_prompt(&req.body, c.block_size, c.session_field.as_deref(), session)
         {
+            return Ok(k);
+        }
+    }
+    if let Some(model) = &c.text {
+        let (model, body, field) = (Arc::clone(model), req.body.clone(), c.session_field.clone());
+        let (block_size, session) = (c.block_size, header.clone());
+        let keyed = move || {
+            super::text::text_prompt(&model, &body, chat, block_size, field.as_deref(), session.as_deref())
+        };
+        let got = if req.body.len() < TEXT_INLINE_BYTES {
+            keyed()
+        } else {
+            tokio::task::spawn_blocking(keyed).await.ok().flatten()
+        };
+        if let Some(k) = got {
             return Ok(k);
         }
     }

@@ -1,7 +1,8 @@
 //! The proxy's compiled data path: an HTTP/1.1 relay on hyper in front of a fleet of engines
 //! that routes each generation request with the [`Router`] and relays the answer as it comes.
 //!
-//! - [`body`]: keying a token-id completions body without the hooks.
+//! - [`body`]: keying a token-id completions body without the hooks; `text`: keying a text
+//!   or chat body with the model's tokenizer and chat template ([`crate::text`]), likewise.
 //! - [`connect`]: backend addresses (TCP and Unix sockets) and connecting to them.
 //! - `request`: a client's request as the relay holds it, the headers not passed on, and
 //!   errors as one line.
@@ -21,8 +22,9 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions` are forwarded; every other request
 //! goes to the side application (the control plane: health, metrics, admin) at
 //! `RelayConfig::side`. What the relay cannot do by itself it asks of its [`Hooks`]: the keys
-//! of a body (the tokenizer lives there), and a backend's failures and recoveries (its health
-//! state lives there). At most `max_connections` client connections are served at once;
+//! of a body it cannot key itself (without a model, text and chat; the `backend` tokenizer;
+//! bodies it is not sure of), and a backend's failures and recoveries (its health state
+//! lives there). At most `max_connections` client connections are served at once;
 //! one beyond gets a 503 and is closed.
 //!
 //! Thread-safety: the relay's state is shared with the caller's threads through an `Arc`;
@@ -39,7 +41,10 @@ mod request;
 mod server;
 pub mod stats;
 mod stream;
+mod text;
 mod usage;
+
+pub use text::text_prompt;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -87,6 +92,9 @@ pub struct RelayConfig {
     /// Whether the hooks can tokenize an answer's text (else only answers that carry
     /// `token_ids` go to [`Hooks::output`]).
     pub output_from_text: bool,
+    /// The model's tokenizer and chat template: text and chat bodies are keyed with them in
+    /// Rust (`text.rs`) instead of by the hooks, wherever they can be.
+    pub text: Option<Arc<crate::text::TextModel>>,
     /// Where the other requests go.
     pub side: Address,
     /// JSONL decision log, when wanted.
