@@ -1,8 +1,8 @@
 """The peers benchmark's client: sends a workload's sessions through a router, ``concurrency``
 sessions at a time (a session's requests one after another, each sent when the one before
 it finished), and times each request on the monotonic clock: its first token (the first
-streamed chunk with generated text) and its end. One asyncio loop, one connection pool;
-O(requests).
+streamed chunk with a choice, as ``kvroute replay`` times it) and its end. One asyncio loop,
+one connection pool; O(requests).
 """
 
 from __future__ import annotations
@@ -30,14 +30,11 @@ class Result:
     error: str | None = None
 
 
-def _has_text(chunk: dict[str, object]) -> bool:
-    for choice in chunk.get("choices") or ():  # type: ignore[attr-defined]
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta") or {}
-        if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
-            return True
-    return False
+def _has_choice(chunk: dict[str, object]) -> bool:
+    """Whether a stream chunk carries a choice: the first one comes with the first token
+    (vLLM sends nothing before; a token may decode to no text yet, a chat's first chunk has
+    only the role)."""
+    return bool(chunk.get("choices"))
 
 
 async def _one(
@@ -60,7 +57,7 @@ async def _one(
                 line = raw.strip()
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
                     continue
-                if first is None and _has_text(json.loads(line[5:])):
+                if first is None and _has_choice(json.loads(line[5:])):
                     first = time.monotonic()
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         return Result(
