@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -55,3 +56,49 @@ def test_the_proxy_command_says_what_it_chose() -> None:
     assert "kvroute proxy: block size 32 (vllm:cache_config_info of 1 of 1 backend(s))" in (
         done.output
     ), done.output
+
+
+def test_the_served_model_folder_is_found_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model the backends serve (``/v1/models``' root): a folder of this machine with a
+    tokenizer.json, or a hub name whose snapshot the local Hugging Face cache holds."""
+    from kvroute.proxy.discover import model_folder
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    st = ServerThread()
+    try:
+        urls = [
+            st.start(emulator_app(EmulatorConfig(model=model)))
+            for model in (str(folder), "org/name", "other/model")
+        ]
+        assert model_folder(urls[:1]) == (
+            str(folder),
+            f"the folder of {str(folder)!r}, which the backends serve",
+        )
+        assert model_folder([DEAD, urls[1]])[0] == str(snapshot)
+        found, why = model_folder(urls[2:])
+        assert found is None and "--model DIR" in why
+    finally:
+        st.close()
+    assert model_folder([DEAD]) == (None, "no backend answered /v1/models")
+
+
+def test_the_proxy_command_says_how_it_keys_text() -> None:
+    from kvroute.cli import main
+
+    st, urls = _engines(32)
+    try:
+        args = ["proxy", "--backend", urls[0], "--host", "256.0.0.1", "--port", "1"]
+        done = CliRunner().invoke(main, args)
+        both = CliRunner().invoke(main, [*args, "--model", ".", "--tokenizer", "backend"])
+    finally:
+        st.close()
+    assert "kvroute proxy: keys text with approx (no folder of" in done.output, done.output
+    assert both.exit_code == 2 and "alternatives" in both.output

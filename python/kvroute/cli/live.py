@@ -61,10 +61,10 @@ def _ready(what: str) -> Any:
 )
 @click.option(
     "--tokenizer",
-    default="approx",
+    default="auto",
     show_default=True,
-    help="Keys for text prompts: approx, backend, or a model folder or its tokenizer.json "
-    "(as --model).",
+    help="Keys for text prompts: auto (the served model's folder when this machine has it, "
+    "else approx), approx, backend, or a model folder or its tokenizer.json (as --model).",
 )
 @click.option(
     "--model",
@@ -140,13 +140,17 @@ def _ready(what: str) -> Any:
 def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
     from kvroute.proxy import Proxy, ProxyConfig
-    from kvroute.proxy.discover import block_size
+    from kvroute.proxy.discover import block_size, model_folder
 
     tokenizer = kw["tokenizer"]
     if kw["model_dir"] is not None:
-        if tokenizer != "approx":
+        if tokenizer != "auto":
             raise click.UsageError("--model and --tokenizer are alternatives: give one")
         tokenizer = kw["model_dir"]
+    elif tokenizer == "auto":
+        folder, why = model_folder(list(kw["backends"]))
+        tokenizer = folder or "approx"
+        click.echo(f"kvroute proxy: keys text with {tokenizer} ({why})", err=True)
     block = kw["block_size"]
     if block is None:
         block, why = block_size(list(kw["backends"]))
