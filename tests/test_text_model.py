@@ -27,15 +27,20 @@ MESSAGE_TEXT = st.lists(WORDS, max_size=8).map("".join)
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small byte-level BPE tokenizer that puts ``<s>`` before a single sequence, with the
-    special tokens of the test templates."""
+    """A small byte-level BPE tokenizer (every byte a token, as in models' tokenizers) that
+    puts ``<s>`` before a single sequence, with the special tokens of the test templates."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     special = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "[INST]", "[/INST]"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=special,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte has a token
+    )
     corpus = ["hello world, the cache keeps every prefix warm", "déjà vu 日本語 🙂 tools"] * 50
     tok.train_from_iterator(corpus, trainer)
     tok.post_processor = processors.TemplateProcessing(
@@ -227,3 +232,48 @@ def test_the_keyer_falls_back_to_chatml_where_the_template_cannot_render(
     chatml = "<|im_start|>assistant\nfirst<|im_end|>\n<|im_start|>assistant\n"
     assert keyed is not None and keyed[1] == len(model.encode(chatml, False))
     assert list(keyed[0]) == list(kvroute.block_hashes(model.encode(chatml, False), 4))
+
+
+LINES = st.lists(
+    st.text(st.sampled_from("ab é日🙂.,(){}_=\t"), max_size=30).map(lambda s: s + "\n"),
+    min_size=1,
+    max_size=6,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    base=st.lists(LINES, min_size=30, max_size=60).map("".join),
+    cut=st.integers(0, 2000),
+    tails=st.lists(LINES, min_size=1, max_size=3),
+    special=st.booleans(),
+)
+def test_the_prefix_cache_splices_exactly(
+    tokenizer_json: Path, base: str, cut: int, tails: list[str], special: bool
+) -> None:
+    """A prompt that extends or shares the start of earlier ones (an agent's next turn) gets
+    the ids the whole prompt would get: the cache splices only where that holds."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    model = TextModel(tokenizer_json.parent)  # a cache of its own
+    prompt = base
+    for tail in tails:
+        prompt = prompt[: max(len(prompt) - cut, 0)] + tail if cut % 3 == 0 else prompt + tail
+        for text in (prompt, prompt + tail):
+            want = reference.encode(text, add_special_tokens=special).ids
+            assert model.encode(text, special) == want
+
+
+def test_an_agents_next_turn_is_spliced(tokenizer_json: Path) -> None:
+    """A session's next prompt (the last one, its answer, a new message) is tokenized from
+    near the end of what it shares with the last one, and its ids are the whole prompt's."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    model = TextModel(tokenizer_json.parent)
+    prompt = "".join(f"line {i}: the cache keeps every prefix warm, déjà vu\n" for i in range(60))
+    for turn in range(4):
+        prompt += f"turn {turn} answer (tools) 日本語 🙂\nnext message\n"
+        assert model.encode(prompt, True) == reference.encode(prompt).ids
+    assert model.cache_counts == (3, 1)

@@ -43,6 +43,12 @@ impl PyTextModel {
         self.model.dir().to_path_buf()
     }
 
+    /// Long prompts tokenized from an earlier one's ids (the prefix cache), and whole.
+    #[getter]
+    fn cache_counts(&self) -> (u64, u64) {
+        self.model.cache_counts()
+    }
+
     /// Why the model's chats cannot be rendered, or None.
     #[getter]
     fn template_error(&self) -> Option<String> {

@@ -9,10 +9,14 @@
 //! - `template.rs`: the chat template and its environment (`tojson`, `raise_exception`,
 //!   `strftime_now`, Python's string methods).
 //! - `pyjson.rs`: `json.dumps` as Python writes it (the template's `tojson`).
+//! - `cache.rs`: a prefix cache of tokenizations, so that a prompt extending an earlier one
+//!   is tokenized from near the end of what they share.
 //!
-//! Cost: a prompt is one tokenizer call (linear in its length); a chat one template render
-//! too. A [`TextModel`] is immutable after loading and is shared by threads.
+//! Cost: a prompt is one tokenizer call, linear in its length (in what is new, for a prompt
+//! that extends a recent one); a chat one template render too. A [`TextModel`] is shared by
+//! threads (its cache behind a mutex).
 
+mod cache;
 mod pyjson;
 mod template;
 
@@ -38,6 +42,7 @@ impl std::error::Error for TextError {}
 pub struct TextModel {
     tokenizer: tokenizers::Tokenizer,
     template: Result<ChatTemplate, TextError>,
+    cache: cache::PrefixCache,
     dir: PathBuf,
 }
 
@@ -56,7 +61,8 @@ impl TextModel {
         let tokenizer = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| TextError(format!("{}: cannot load the tokenizer: {e}", path.display())))?;
         let template = ChatTemplate::load(dir);
-        Ok(Self { tokenizer, template, dir: dir.to_path_buf() })
+        let cache = cache::PrefixCache::new(&tokenizer);
+        Ok(Self { tokenizer, template, cache, dir: dir.to_path_buf() })
     }
 
     /// The model's folder.
@@ -64,17 +70,20 @@ impl TextModel {
         &self.dir
     }
 
+    /// Long prompts tokenized by splicing an earlier one's ids, and tokenized whole.
+    pub fn cache_counts(&self) -> (u64, u64) {
+        self.cache.counts()
+    }
+
     /// Why chats cannot be rendered, when they cannot.
     pub fn template_error(&self) -> Option<&TextError> {
         self.template.as_ref().err()
     }
 
-    /// The token ids of `text`, with the tokenizer's special tokens when `special`.
+    /// The token ids of `text`, with the tokenizer's special tokens when `special` (from
+    /// the prefix cache's splice where a recent prompt shares its start).
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TextError> {
-        self.tokenizer
-            .encode_fast(text, special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TextError(format!("the tokenizer failed: {e}")))
+        self.cache.encode(&self.tokenizer, text, special)
     }
 
     /// A chat body's prompt text: its `messages` (and `tools`, `add_generation_prompt`,
