@@ -27,7 +27,7 @@ import engines
 import routers
 import workloads
 
-DEFAULT_ARMS = ("kvroute-default", "kvroute-exact", "smg-cache-aware", "vllm-router-kv-aware")
+DEFAULT_ARMS = ("kvroute-default", "kvroute-old-default", "smg-cache-aware", "vllm-router-kv-aware")
 CHARS = 6000
 
 

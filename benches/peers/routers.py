@@ -67,15 +67,6 @@ def _kvroute(*extra: str) -> Argv:
     return argv
 
 
-def _kvroute_exact(policy: str, *extra: str) -> Argv:
-    def argv(fleet: Fleet, port: int, metrics: int) -> list[str]:
-        tokenizer = str(fleet.model_dir / "tokenizer.json")
-        options = ["--tokenizer", tokenizer, "--block-size", str(fleet.block_size)]
-        return _kvroute("--policy", policy, *options, *extra)(fleet, port, metrics)
-
-    return argv
-
-
 def _smg(*extra: str) -> Argv:
     def argv(fleet: Fleet, port: int, metrics: int) -> list[str]:
         return [
@@ -105,20 +96,24 @@ def _vllm_router(*extra: str, events: bool = False) -> Argv:
 ARMS: dict[str, Arm] = {
     arm.name: arm
     for arm in (
-        # kvroute with no flags but its backends: what a new user runs.
+        # kvroute with no flags but its backends: what a new user runs (it finds the model's
+        # folder, the engines' block size and KV events by itself).
         Arm("kvroute-default", "kvroute", _kvroute()),
-        # The same with the block size it had before it read the engines' (512 tokens).
-        Arm("kvroute-block512", "kvroute", _kvroute("--block-size", "512")),
-        # Policies of its own with no other flag.
+        # The same, with one of its policies named.
+        Arm("kvroute-unified", "kvroute", _kvroute("--policy", "unified")),
         Arm("kvroute-sglang", "kvroute", _kvroute("--policy", "sglang_cache_aware")),
         Arm(
             "kvroute-dynamo8",
             "kvroute",
             _kvroute("--policy", "dynamo_cost", "--router-option", "overlap_weight=8"),
         ),
-        # kvroute exact: the model's tokenizer, the engines' block size, their KV events.
-        Arm("kvroute-exact", "kvroute", _kvroute_exact("unified")),
-        Arm("kvroute-exact-sglang", "kvroute", _kvroute_exact("sglang_cache_aware")),
+        # The defaults before the proxy found anything by itself: approximate keys of text in
+        # 512-token blocks, the estimate view, unified.
+        Arm(
+            "kvroute-old-default",
+            "kvroute",
+            _kvroute("--tokenizer", "approx", "--block-size", "512", "--policy", "unified"),
+        ),
         Arm("smg-cache-aware", "smg", _smg("--policy", "cache_aware"), sessions=False),
         Arm(
             "smg-cache-aware-sticky",
