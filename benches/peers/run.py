@@ -47,7 +47,6 @@ KV_BYTES = {
 LOADS = {"light": 2, "heavy": 8}
 DEFAULT_ARMS = (
     "kvroute-default",
-    "kvroute-old-default",
     "smg-cache-aware",
     "smg-cache-aware-sticky",
     "vllm-router-kv-aware",

@@ -15,6 +15,7 @@ import click
 import kvroute
 from kvroute.cli.common import BadInput, output_option
 from kvroute.errors import KvrouteError
+from kvroute.proxy.config import DEFAULT_POLICY
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, Any]:
@@ -41,7 +42,11 @@ def _ready(what: str) -> Any:
 @click.command("proxy")
 @click.option("--backend", "backends", multiple=True, help="Engine base URL (repeat).")
 @click.option(
-    "--policy", type=click.Choice(kvroute.policies()), default="unified", show_default=True
+    "--policy",
+    type=click.Choice(kvroute.policies()),
+    default=DEFAULT_POLICY,
+    show_default=True,
+    help="Routing policy (dynamo_cost: with overlap_weight=8 unless --router-option says).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
@@ -182,6 +187,9 @@ def proxy(**kw: Any) -> None:
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise BadInput(str(exc)) from exc
+    chosen = {k: v for k, v in config.policy_options().items() if k != "block_size"}
+    said = ", ".join(f"{k}={v}" for k, v in chosen.items())
+    click.echo(f"kvroute proxy: policy {config.policy}" + (f" ({said})" if said else ""), err=True)
     _serve(app, kw, "proxy")
 
 

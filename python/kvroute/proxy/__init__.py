@@ -6,7 +6,7 @@ Every routing decision is the Rust :class:`kvroute.Router`; the proxy keys reque
 See ``docs/proxy.md``.
 
 >>> from kvroute.proxy import Proxy, ProxyConfig, serve_forever
->>> proxy = Proxy(ProxyConfig(backends=["http://127.0.0.1:8100"], policy="unified"))
+>>> proxy = Proxy(ProxyConfig(backends=["http://127.0.0.1:8100"], policy="dynamo_cost"))
 >>> serve_forever(proxy, "127.0.0.1", 8000)  # doctest: +SKIP
 """
 

@@ -63,7 +63,7 @@ class Proxy:
                 "tokens (use --tokenizer backend or a tokenizer.json)"
             )
         self.router = kvroute.Router(
-            len(config.backends), config.policy, **{**options, **config.router_options}
+            len(config.backends), config.policy, **{**options, **config.policy_options()}
         )
         self.pool = BackendPool(config, self.router)
         self._relay: Any = None

@@ -27,14 +27,25 @@ def normalize_url(url: str) -> str:
     return url
 
 
+#: The policy a proxy routes with unless told (``docs/proxy.md``, "Which policy"): Dynamo's
+#: cost, which weighs the blocks a request would prefill on an engine against the blocks the
+#: engine is already serving, so a prefix follows its cache whether or not it has a session,
+#: and new work goes where the load is lightest.
+DEFAULT_POLICY = "dynamo_cost"
+#: Router options the proxy sets for a policy unless ``router_options`` gives them: a block
+#: to prefill weighs 8 blocks in flight (Dynamo's own default, 1, lets an agent's long context
+#: move to whichever engine holds fewer tokens, and prefill it again there).
+POLICY_OPTIONS: dict[str, dict[str, Any]] = {"dynamo_cost": {"overlap_weight": 8.0}}
+
+
 @dataclass
 class ProxyConfig:
     """Everything the proxy needs to know (see ``docs/proxy.md``)."""
 
     backends: list[str] = field(default_factory=list)
-    policy: str = "unified"
+    policy: str = DEFAULT_POLICY
     #: Keyword arguments of :class:`kvroute.Router` besides the policy (``block_size``,
-    #: ``cache_capacity_blocks``, ``overload_factor``, ...).
+    #: ``cache_capacity_blocks``, ``overload_factor``, ...), over ``POLICY_OPTIONS``.
     router_options: dict[str, Any] = field(default_factory=dict)
     #: ``"approx"`` (byte chunking, no tokenizer), ``"backend"`` (the backend's ``/tokenize``)
     #: or the path of a Hugging Face ``tokenizer.json``.
@@ -105,6 +116,10 @@ class ProxyConfig:
     def uses_kv_events(self) -> bool:
         """Whether the router reads KV events (``auto``, with exact keys)."""
         return self.kv_events == "auto" and self.tokenizer != "approx"
+
+    def policy_options(self) -> dict[str, Any]:
+        """The router's keywords for this policy: ``POLICY_OPTIONS`` under ``router_options``."""
+        return {**POLICY_OPTIONS.get(self.policy, {}), **self.router_options}
 
     @property
     def block_size(self) -> int:
