@@ -277,3 +277,38 @@ def test_an_agents_next_turn_is_spliced(tokenizer_json: Path) -> None:
         prompt += f"turn {turn} answer (tools) 日本語 🙂\nnext message\n"
         assert model.encode(prompt, True) == reference.encode(prompt).ids
     assert model.cache_counts == (3, 1)
+
+
+WORDS = st.lists(st.text(st.sampled_from("ab é日🙂.,(){}_=\t'0"), max_size=12), min_size=1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    base=st.lists(WORDS, min_size=150, max_size=300).map(lambda ws: " ".join(sum(ws, []))),
+    tails=st.lists(WORDS.map(" ".join), min_size=1, max_size=3),
+)
+def test_the_prefix_cache_splices_text_without_lines_exactly(
+    tokenizer_json: Path, base: str, tails: list[str]
+) -> None:
+    """Prompts with no line breaks (random tokens decoded to text, as vLLM's
+    prefix_repetition makes them) are cut at word starts, with the same ids as whole."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    model = TextModel(tokenizer_json.parent)
+    for tail in tails:
+        text = base + tail
+        assert model.encode(text, False) == reference.encode(text, add_special_tokens=False).ids
+
+
+def test_prompts_that_share_a_prefix_without_lines_are_spliced(tokenizer_json: Path) -> None:
+    """A shared prefix of words (no line break) with different suffixes: tokenized once."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    model = TextModel(tokenizer_json.parent)
+    prefix = " ".join(f"word{i % 97} déjà-vu {i}" for i in range(400))
+    for suffix in range(4):
+        text = f"{prefix} and then suffix number {suffix} "
+        assert model.encode(text, True) == reference.encode(text).ids
+    assert model.cache_counts == (3, 1)

@@ -5,14 +5,15 @@
 //! Splicing is exact only where the tokenizer's work does not cross the cut. The cut is taken
 //! where that holds for the byte-level BPE tokenizers of current models, and the result is
 //! checked besides:
-//! - at the start of a line (after `\n`, before a character that is not whitespace), at
-//!   least [`MARGIN`] bytes before where the prompts part (their pre-tokenizers split there, and
-//!   merges never cross a split), where the earlier prompt's tokens also end;
+//! - at the start of a line (after `\n`, before a character that is not whitespace) or of a
+//!   word (a space between two characters that are not whitespace), at least [`MARGIN`] bytes
+//!   before where the prompts part (their pre-tokenizers split there, and merges never cross a
+//!   split), where the earlier prompt's tokens also end;
 //! - the part after the cut is tokenized alone, and a window from [`BACK`] tokens before the
 //!   cut to [`WINDOW`] bytes after it is tokenized again: the splice is taken only if the
 //!   window's ids are the earlier prompt's ids before the cut followed by the new part's.
 //!
-//! Anything else (no shared part of [`MIN_SHARED`] bytes, no such line start, a window that
+//! Anything else (no shared part of [`MIN_SHARED`] bytes, no such cut, a window that
 //! disagrees, a post-processor that adds tokens at the end) tokenizes the whole prompt.
 //!
 //! Memory: the [`MAX_ENTRIES`] most recent prompts (their text and 12 bytes a token) up to
@@ -76,10 +77,15 @@ fn encode(tok: &Tokenizer, text: &str, special: bool) -> Result<Tokens, TextErro
     Ok((e.get_ids().to_vec(), offsets))
 }
 
-/// Whether `b` is where a line with content starts: after `\n`, before a byte that is not
-/// ASCII whitespace.
-fn line_start(text: &[u8], b: usize) -> bool {
-    b > 0 && text[b - 1] == b'\n' && text.get(b).is_some_and(|c| !c.is_ascii_whitespace())
+/// Whether `b` is where a line with content starts (after `\n`) or a word does (at a space
+/// after a byte that is not ASCII whitespace), before a byte that is not ASCII whitespace.
+fn cut_point(text: &[u8], b: usize) -> bool {
+    let next_is_content = |i: usize| text.get(i).is_some_and(|c| !c.is_ascii_whitespace());
+    b > 0
+        && match text[b - 1] {
+            b'\n' => next_is_content(b),
+            prev => text[b] == b' ' && !prev.is_ascii_whitespace() && next_is_content(b + 1),
+        }
 }
 
 impl PrefixCache {
@@ -160,9 +166,9 @@ impl PrefixCache {
         let bytes = text.as_bytes();
         let shared = common_prefix(earlier.text.as_bytes(), bytes);
         let Some(limit) = shared.checked_sub(MARGIN) else { return Ok(None) };
-        // The last line start before the limit where an earlier token ends.
+        // The last line or word start before the limit where an earlier token ends.
         let mut cut_token = None;
-        for cut in (1..=limit).rev().filter(|&b| line_start(bytes, b)).take(8) {
+        for cut in (1..=limit).rev().filter(|&b| cut_point(bytes, b)).take(8) {
             let j = earlier.offsets.partition_point(|&(_, end)| (end as usize) <= cut);
             let next_start = earlier.offsets.get(j).map_or(usize::MAX, |&(start, _)| start as usize);
             if j > 0 && earlier.offsets[j - 1].1 as usize == cut && next_start >= cut {
