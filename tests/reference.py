@@ -36,6 +36,7 @@ POLICIES = [
     "sticky",
     "unified",
     "leastwork",
+    "unified_dynamo",
     "round_robin",
     "random",
     "power_of_two",
@@ -44,8 +45,9 @@ POLICIES = [
 ]
 
 # Policies that keep a session -> instance affinity. SEMANTICS.md §3 defines affinity for
-# `sticky` and `unified` only; every other policy ignores session ids.
-AFFINITY_POLICIES = {"sticky", "unified"}
+# `sticky` and `unified` only (and `unified_dynamo`, which keeps `unified`'s gate); every other
+# policy ignores session ids.
+AFFINITY_POLICIES = {"sticky", "unified", "unified_dynamo"}
 
 
 class SplitMix64:
@@ -371,13 +373,15 @@ class ReferenceRouter:
             if aff is not None:
                 return aff, "affinity"
             return min(avail, key=nreq), "score"
-        if p == "unified":
+        if p in ("unified", "unified_dynamo"):
             if aff is not None:
                 avg = max(sum(nreq(i) for i in avail) / len(avail), 1.0)
                 ratio = self.hit(aff, keys, n) / max(n, 1)
                 if ratio > self.hit_ratio_gate and nreq(aff) <= avg * self.overload_factor:
                     return aff, "affinity"
-            return self._min_round_robin(avail, lmetric_key)
+            if p == "unified":
+                return self._min_round_robin(avail, lmetric_key)
+            return self._dynamo(avail, keys, n)
         if p == "leastwork":
 
             def lpwl_key(i: int) -> tuple[int, int, int]:

@@ -57,6 +57,7 @@ def test_policies_and_properties() -> None:
         "sticky",
         "unified",
         "leastwork",
+        "unified_dynamo",
         "round_robin",
         "random",
         "power_of_two",
@@ -435,13 +436,13 @@ def test_add_instance() -> None:
     assert r.route(3, [1], 4) == 2
 
 
-def test_session_affinity_only_for_sticky_and_unified() -> None:
+def test_session_affinity_only_for_sticky_and_the_unifieds() -> None:
     for policy in kvroute.policies():
         r = Router(2, policy)
         r.route(1, [1], 4, "s")
         r.route(2, [1], 4, 0)
         r.route(3, [1], 4)
-        expect = policy in ("sticky", "unified")
+        expect = policy in ("sticky", "unified", "unified_dynamo")
         assert (r.session_affinity("s") is not None) == expect, policy
         assert (r.session_affinity(0) is not None) == expect, policy
         assert r.session_affinity("0") is None

@@ -48,14 +48,14 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
         "cache_rule": draw(st.sampled_from(["trace", "vllm"])),
         "max_sessions": draw(st.sampled_from([None, None, 1, 2, 3])),
     }
-    if policy == "unified":
+    if policy in ("unified", "unified_dynamo"):
         kw["overload_factor"] = draw(st.sampled_from([2.0, 0.0, 1.0, 1.5, 4.0]))
         kw["hit_ratio_gate"] = draw(st.sampled_from([0.5, 0.0, 0.25, 0.9]))
     if policy == "sglang_cache_aware":
         kw["cache_threshold"] = draw(st.sampled_from([0.5, 0.0, 0.3, 0.9]))
         kw["balance_abs"] = draw(st.sampled_from([32, 0, 1, 2]))
         kw["balance_rel"] = draw(st.sampled_from([1.1, 0.0, 1.0, 2.0]))
-    if policy == "dynamo_cost":
+    if policy in ("dynamo_cost", "unified_dynamo"):
         kw["overlap_weight"] = draw(st.sampled_from([1.0, 0.0, 0.5, 2.0]))
         kw["temperature"] = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0, 3.0]))
     return num_instances, kw

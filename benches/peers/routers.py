@@ -103,6 +103,11 @@ ARMS: dict[str, Arm] = {
         Arm("kvroute-unified", "kvroute", _kvroute("--policy", "unified")),
         Arm("kvroute-sglang", "kvroute", _kvroute("--policy", "sglang_cache_aware")),
         Arm(
+            "kvroute-unified-dynamo8",
+            "kvroute",
+            _kvroute("--policy", "unified_dynamo", "--router-option", "overlap_weight=8"),
+        ),
+        Arm(
             "kvroute-dynamo8",
             "kvroute",
             _kvroute("--policy", "dynamo_cost", "--router-option", "overlap_weight=8"),

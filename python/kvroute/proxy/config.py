@@ -35,7 +35,10 @@ DEFAULT_POLICY = "dynamo_cost"
 #: Router options the proxy sets for a policy unless ``router_options`` gives them: a block
 #: to prefill weighs 8 blocks in flight (Dynamo's own default, 1, lets an agent's long context
 #: move to whichever engine holds fewer tokens, and prefill it again there).
-POLICY_OPTIONS: dict[str, dict[str, Any]] = {"dynamo_cost": {"overlap_weight": 8.0}}
+POLICY_OPTIONS: dict[str, dict[str, Any]] = {
+    "dynamo_cost": {"overlap_weight": 8.0},
+    "unified_dynamo": {"overlap_weight": 8.0},
+}
 
 
 @dataclass

@@ -46,13 +46,13 @@ MODES = ("tracets", "thinktime", "poisson")
 STUDY_POLICIES = ("lmetric", "load_only", "sticky", "unified", "capped")
 #: Which policies read each parameter (grids only multiply those).
 PARAM_POLICIES = {
-    "overload_factor": ("unified",),
-    "hit_ratio_gate": ("unified",),
+    "overload_factor": ("unified", "unified_dynamo"),
+    "hit_ratio_gate": ("unified", "unified_dynamo"),
     "cache_threshold": ("sglang_cache_aware",),
     "balance_abs": ("sglang_cache_aware",),
     "balance_rel": ("sglang_cache_aware",),
-    "overlap_weight": ("dynamo_cost",),
-    "temperature": ("dynamo_cost",),
+    "overlap_weight": ("dynamo_cost", "unified_dynamo"),
+    "temperature": ("dynamo_cost", "unified_dynamo"),
 }
 
 __all__ = [

@@ -178,13 +178,16 @@ pub(crate) fn pick(
             Some(a) => Some((a, Branch::Affinity)),
             None => input.argmin(nreq).map(|i| (i, Branch::Score)),
         },
-        Policy::Unified => {
+        Policy::Unified | Policy::UnifiedDynamo => {
             if let Some(a) = input.affinity {
                 if unified_gate(p, input, a) {
                     return Some((a, Branch::Affinity));
                 }
             }
-            input.argmin_prefill(state, true)
+            match policy {
+                Policy::Unified => input.argmin_prefill(state, true),
+                _ => dynamo_cost(p, input, state),
+            }
         }
         Policy::LeastWork => input.argmin_prefill(state, false),
         Policy::RoundRobin => {

@@ -1,7 +1,8 @@
 //! Policy names and parameters. The picking itself is in [`crate::picker`].
 //!
 //! Five policies from the study (`lmetric`, `load_only`, `sticky`, `unified`, `leastwork`,
-//! exactly as the semantics page) and five industry ones for comparison (`round_robin`,
+//! exactly as the semantics page), `unified_dynamo` (`unified`'s affinity gate with
+//! `dynamo_cost` as its fallback), and five industry ones for comparison (`round_robin`,
 //! `random`, `power_of_two`, `sglang_cache_aware`, `dynamo_cost`). Plain data, thread-safe.
 
 use crate::error::{Error, Result};
@@ -19,6 +20,8 @@ pub enum Policy {
     Unified,
     /// LPWL: `pending_prefill + new_prefill`, same tie-break as `unified`.
     LeastWork,
+    /// `unified`'s gated affinity, else `dynamo_cost`.
+    UnifiedDynamo,
     /// Cycle over the available instances.
     RoundRobin,
     /// Seeded uniform choice among the available instances.
@@ -33,12 +36,13 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy, in the order `kvroute.policies()` lists them.
-    pub const ALL: [Policy; 10] = [
+    pub const ALL: [Policy; 11] = [
         Policy::Lmetric,
         Policy::LoadOnly,
         Policy::Sticky,
         Policy::Unified,
         Policy::LeastWork,
+        Policy::UnifiedDynamo,
         Policy::RoundRobin,
         Policy::Random,
         Policy::PowerOfTwo,
@@ -54,6 +58,7 @@ impl Policy {
             Policy::Sticky => "sticky",
             Policy::Unified => "unified",
             Policy::LeastWork => "leastwork",
+            Policy::UnifiedDynamo => "unified_dynamo",
             Policy::RoundRobin => "round_robin",
             Policy::Random => "random",
             Policy::PowerOfTwo => "power_of_two",
@@ -74,6 +79,7 @@ impl Policy {
             Policy::Lmetric
                 | Policy::Unified
                 | Policy::LeastWork
+                | Policy::UnifiedDynamo
                 | Policy::SglangCacheAware
                 | Policy::DynamoCost
         )
@@ -83,9 +89,10 @@ impl Policy {
 /// Tunables of the policies; each policy reads only its own.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyParams {
-    /// `unified`: the affinity instance is overloaded above `avg * overload_factor` requests.
+    /// `unified`, `unified_dynamo`: the affinity instance is overloaded above
+    /// `avg * overload_factor` requests.
     pub overload_factor: f64,
-    /// `unified`: stick only when `hit / input_length > hit_ratio_gate`.
+    /// `unified`, `unified_dynamo`: stick only when `hit / input_length > hit_ratio_gate`.
     pub hit_ratio_gate: f64,
     /// `sglang_cache_aware`: follow the best match when its match rate is above this.
     pub cache_threshold: f64,
@@ -93,9 +100,9 @@ pub struct PolicyParams {
     pub balance_abs: u64,
     /// ... and `max > min * balance_rel`.
     pub balance_rel: f64,
-    /// `dynamo_cost`: weight of the prefill blocks in the cost.
+    /// `dynamo_cost`, `unified_dynamo`: weight of the prefill blocks in the cost.
     pub overlap_weight: f64,
-    /// `dynamo_cost`: 0 takes the argmin; above 0, softmax sampling over the negated costs.
+    /// `dynamo_cost`, `unified_dynamo`: 0 takes the argmin; above 0, softmax sampling over the negated costs.
     pub temperature: f64,
 }
 

@@ -348,7 +348,7 @@ impl Router {
     }
 
     fn uses_affinity(&self) -> bool {
-        matches!(self.policy, Policy::Sticky | Policy::Unified)
+        matches!(self.policy, Policy::Sticky | Policy::Unified | Policy::UnifiedDynamo)
     }
 
     fn check_instance(&self, instance: i64) -> Result<usize> {
