@@ -171,6 +171,10 @@ def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
         arms = list(dict.fromkeys(r.arm for r in runs if (r.workload, r.load) == (wl, load)))
         for arm in arms:
             rs = [r for r in runs if (r.workload, r.load, r.arm) == (wl, load, arm)]
+            if all(r.errors == r.requests for r in rs):
+                why = next((e for r in rs for e in r.error_samples), "")[:160].replace("|", "/")
+                out.append(f"| {arm} | {len(rs)} | every request failed: {why} |" + " |" * 10)
+                continue
             counts = zip(*(r.per_engine for r in rs), strict=True)
             rates = zip(*(r.per_engine_hit_rate for r in rs), strict=True)
             engines_ = " / ".join(
