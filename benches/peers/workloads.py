@@ -86,6 +86,8 @@ def _agent_sessions(max_sessions: int | None, max_turns: int | None) -> list[tup
         out: list[tuple[str, list[str]]] = []
         by_folder.append(out)
         files = sorted((AGENT_TRACES / folder).glob("*.jsonl"))
+        if not files:
+            raise FileNotFoundError(f"no agent sessions (*.jsonl) in {AGENT_TRACES / folder}")
         for path in files[:max_sessions]:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             rows.sort(key=lambda r: r["timestamp"])
