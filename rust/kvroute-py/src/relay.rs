@@ -153,6 +153,14 @@ fn keyed_tuple<'py>(py: Python<'py>, k: Keyed) -> PyResult<Bound<'py, PyTuple>> 
     PyTuple::new(py, items)
 }
 
+/// `block_size` as the relay's keying takes it: positive.
+fn positive_block_size(py: Python<'_>, block_size: usize) -> PyResult<()> {
+    match block_size {
+        0 => Err(invalid(py, "block_size must be positive, got 0".into())),
+        _ => Ok(()),
+    }
+}
+
 /// The relay's own keying of a completions body with a token-id prompt:
 /// `(keys, input_length, stream, session)`, or None when it leaves the body to the hooks
 /// (`kvroute_core::relay::body`). For tests that hold it to the Python keyer.
@@ -165,9 +173,7 @@ pub fn relay_token_prompt<'py>(
     session_field: Option<&str>,
     session_header: Option<&str>,
 ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    if block_size == 0 {
-        return Err(invalid(py, "block_size must be positive, got 0".into()));
-    }
+    positive_block_size(py, block_size)?;
     kvroute_core::relay::body::token_prompt(body, block_size, session_field, session_header)
         .map(|k| keyed_tuple(py, k))
         .transpose()
@@ -186,9 +192,7 @@ pub fn relay_text_prompt<'py>(
     session_field: Option<&str>,
     session_header: Option<&str>,
 ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    if block_size == 0 {
-        return Err(invalid(py, "block_size must be positive, got 0".into()));
-    }
+    positive_block_size(py, block_size)?;
     let keyed = py.detach(|| {
         kvroute_core::relay::text_prompt(&model.model, body, chat, block_size, session_field, session_header)
     });

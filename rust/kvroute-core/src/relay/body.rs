@@ -67,13 +67,19 @@ pub fn token_prompt(
     if let Some(h) = session_header.filter(|h| !h.is_empty()) {
         session = Some(Id::Str(h.to_owned()));
     }
+    keyed(&prompt.ids, block_size, stream, session)
+}
+
+/// The routing inputs of a prompt's token `ids`: their block keys and the ids after the last
+/// full block; None for a session id the hooks refuse, in their words (over
+/// [`MAX_SESSION_ID_BYTES`]).
+pub(super) fn keyed(ids: &[u32], block_size: usize, stream: bool, session: Option<Id>) -> Option<Keyed> {
     if matches!(&session, Some(Id::Str(s)) if s.len() > MAX_SESSION_ID_BYTES) {
-        return None; // the hooks refuse it, in their words
+        return None;
     }
-    let input_length = prompt.ids.len() as u64;
-    let keys = block_hashes_u32(&prompt.ids, block_size);
-    let tail = Some(prompt.ids[prompt.ids.len() - prompt.ids.len() % block_size..].to_vec());
-    Some(Keyed { keys, input_length, stream, session, tail })
+    let keys = block_hashes_u32(ids, block_size);
+    let tail = Some(ids[ids.len() - ids.len() % block_size..].to_vec());
+    Some(Keyed { keys, input_length: ids.len() as u64, stream, session, tail })
 }
 
 /// Longest session id accepted (the Python keyer's `MAX_SESSION_ID_BYTES`).

@@ -5,21 +5,21 @@
 //! As for token-id bodies (`body.rs`), it answers only when its answer is the Python keyer's
 //! for certain (the keyer asks the same [`TextModel`] for the same body's ids): a strict JSON
 //! object whose `stream` is absent or a boolean, whose session field is a string of at most
-//! [`MAX_SESSION_ID_BYTES`] bytes, an integer within 64 bits, or a value of another kind (no
-//! session); a completions `prompt` that is one string; chat `messages` that are a non-empty
-//! list of objects with a string `role`, which the template renders. Anything else gives
-//! `None` and goes to the hook, which refuses, or keys, in its own words.
+//! [`MAX_SESSION_ID_BYTES`](super::body::MAX_SESSION_ID_BYTES) bytes, an integer within 64
+//! bits, or a value of another kind (no session); a completions `prompt` that is one string;
+//! chat `messages` that are a non-empty list of objects with a string `role`, which the
+//! template renders. Anything else gives `None` and goes to the hook, which refuses, or keys,
+//! in its own words.
 //!
 //! O(body) to parse plus the tokenizer's and the template's time; stateless and
 //! thread-safe.
 
 use serde_json::{Map, Value};
 
-use crate::keys::block_hashes_u32;
 use crate::text::TextModel;
 use crate::Id;
 
-use super::body::MAX_SESSION_ID_BYTES;
+use super::body::keyed;
 use super::Keyed;
 
 /// The routing inputs of a text completions or chat `body` (see the module doc);
@@ -47,9 +47,6 @@ pub fn text_prompt(
             None => None,
         },
     };
-    if matches!(&session, Some(Id::Str(s)) if s.len() > MAX_SESSION_ID_BYTES) {
-        return None;
-    }
     if chat && !messages_ok(&map) {
         return None;
     }
@@ -57,9 +54,7 @@ pub fn text_prompt(
     if ids.is_empty() {
         return None;
     }
-    let keys = block_hashes_u32(&ids, block_size);
-    let tail = Some(ids[ids.len() - ids.len() % block_size..].to_vec());
-    Some(Keyed { keys, input_length: ids.len() as u64, stream, session, tail })
+    keyed(&ids, block_size, stream, session)
 }
 
 /// A session field's value: `Some(None)` for no session, `None` when the hook must decide.
