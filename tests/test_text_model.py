@@ -26,32 +26,6 @@ MESSAGE_TEXT = st.lists(WORDS, max_size=8).map("".join)
 
 
 @pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small byte-level BPE tokenizer (every byte a token, as in models' tokenizers) that
-    puts ``<s>`` before a single sequence, with the special tokens of the test templates."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "[INST]", "[/INST]"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=special,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte has a token
-    )
-    corpus = ["hello world, the cache keeps every prefix warm", "déjà vu 日本語 🙂 tools"] * 50
-    tok.train_from_iterator(corpus, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
 def models(tokenizer_json: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("models")
     return {

@@ -1,9 +1,11 @@
 """What each router adds to one request at a time: 6,000-character prompts (the first 6,000
 characters of distinct LMCache miniswe prompts), as text completions and as chats, already
 cached on the engine, one output token, sent one after another straight to the engine and
-through each router in front of that one engine, the targets in a rotated order each round.
-The added time to first token is a router's median minus the engine's own in the same
-round; the router's CPU time per request is read from its process tree.
+through each router in front of that one engine: each request goes to the engine and to every
+router in turn (the routers in a rotated order each round), so that the machine's drift
+cancels in the pairs. A router's added time to first token (and to the answer's end) in a
+round is the median over requests of its time minus the engine's own for the same request;
+the router's CPU time per request is read from its process tree.
 
     .venv/bin/python benches/peers/overhead.py [--arms ...] [--prompts 40] [--rounds 5]
 
@@ -13,6 +15,7 @@ Prints a table (median over rounds, with the range); ``--json`` writes the numbe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -22,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import aiohttp
 import client
 import engines
 import routers
@@ -52,12 +56,24 @@ def requests(texts: list[str], chat: bool) -> workloads.Workload:
     return workloads.Workload("chat" if chat else "text", [reqs], [None])
 
 
-def ttfts(url: str, work: workloads.Workload, model: str) -> list[float]:
-    results, _ = client.run(url, work, model, 1, sessions=False)
-    bad = [r.error for r in results if not r.ok]
-    if bad:
-        raise RuntimeError(f"{url}: {bad[:2]}")
-    return [r.ttft * 1e3 for r in results if r.ttft is not None]
+async def _round(urls: list[str], work: workloads.Workload, model: str) -> list[list[Any]]:
+    """Each request sent to every url in turn (drift cancels in the pairs): per url, each
+    request's (TTFT, E2E) in ms."""
+    times: list[list[Any]] = [[] for _ in urls]
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=client.TIMEOUT, connector=conn) as http:
+        for req in work.sessions[0]:
+            for j, url in enumerate(urls):
+                r = await client._one(http, url, req, model, 0, None)
+                if not r.ok or r.ttft is None:
+                    raise RuntimeError(f"{url}: {r.error}")
+                times[j].append((r.ttft * 1e3, r.e2e * 1e3))
+    return times
+
+
+def paired(ours: list[Any], direct: list[Any], k: int) -> float:
+    """The median over requests of a router's time minus the engine's own (k: 0 TTFT, 1 E2E)."""
+    return statistics.median(a[k] - b[k] for a, b in zip(ours, direct, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     peers_bin = routers.peers_venv()
     texts = prompts(args.prompts)
     works = {kind: requests(texts, kind == "chat") for kind in ("text", "chat")}
-    added: dict[tuple[str, str], list[float]] = {}
+    added: dict[tuple[str, str], list[tuple[float, float]]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
+    direct_ms: list[float] = []
     with engines.Engines(256 << 20, log_dir / "vllm") as eng:
         full = eng.fleet
         # Only the first engine: every request is a cache hit on the engine it goes to.
@@ -81,50 +98,52 @@ def main(argv: list[str] | None = None) -> int:
                               full.block_size, full.model_dir, full.model)  # fmt: skip
         direct = fleet.urls[0]
         for work in works.values():
-            ttfts(direct, work, fleet.model)  # caches every prompt
+            asyncio.run(_round([direct], work, fleet.model))  # caches every prompt
         started = []
         try:
+            one = requests(texts[:1], False)
+            ready = lambda url: bool(asyncio.run(_round([url], one, fleet.model))[0])  # noqa: E731
             for arm in arms:
                 ports = tuple(engines.realvllm.free_ports(2))
-                ready = lambda url: ttfts(url, requests(texts[:1], False), fleet.model) != []  # noqa: E731
-                started.append(routers.start(arm, fleet, ports, log_dir, peers_bin, ready))  # type: ignore[arg-type]
+                started.append(routers.start(arm, fleet, ports, log_dir, peers_bin, ready))
             for rnd in range(args.rounds):
-                targets: list[Any] = [None, *started]
-                k = rnd % len(targets)
-                for target in targets[k:] + targets[:k]:
-                    for kind, work in works.items():
-                        url = direct if target is None else target.url
-                        cpu0 = 0.0 if target is None else target.cpu_seconds()
-                        med = statistics.median(ttfts(url, work, fleet.model))
-                        name = "direct" if target is None else target.arm.name
-                        added.setdefault((name, kind), []).append(med)
-                        if target is not None:
-                            per = (target.cpu_seconds() - cpu0) * 1e3 / work.requests
-                            cpu.setdefault((name, kind), []).append(per)
+                k = rnd % len(started)
+                order = started[k:] + started[:k]
+                for kind, work in works.items():
+                    cpu0 = [r.cpu_seconds() for r in order]
+                    times = asyncio.run(
+                        _round([direct] + [r.url for r in order], work, fleet.model)
+                    )
+                    if kind == "text":
+                        direct_ms.append(statistics.median(t for t, _ in times[0]))
+                    for r, c0, got in zip(order, cpu0, times[1:], strict=True):
+                        pair = (paired(got, times[0], 0), paired(got, times[0], 1))
+                        added.setdefault((r.arm.name, kind), []).append(pair)
+                        per = (r.cpu_seconds() - c0) * 1e3 / work.requests
+                        cpu.setdefault((r.arm.name, kind), []).append(per)
         finally:
             for r in started:
                 r.stop()
     rounds = args.rounds
     out = {"prompts": len(texts), "chars": CHARS, "rounds": rounds, "arms": {}}
-    head = f"added TTFT p50 ms (median of {rounds} rounds, range)"
-    print(f"| router | prompt | {head} | router CPU ms/req |")
-    print("|---|---|---:|---:|")
-    for (name, kind), meds in added.items():
-        if name == "direct":
-            continue
-        base = added[("direct", kind)]
-        deltas = [m - b for m, b in zip(meds, base, strict=True)]
+    added_p50 = f"added TTFT p50 ms (median of {rounds} rounds, range)"
+    print(f"| router | prompt | {added_p50} | added E2E p50 ms | router CPU ms/req |")
+    print("|---|---|---:|---:|---:|")
+    for (name, kind), pairs in sorted(added.items()):
+        ttft, e2e = [p[0] for p in pairs], [p[1] for p in pairs]
         c = cpu[(name, kind)]
-        out["arms"][f"{name}/{kind}"] = {"added_ms": deltas, "cpu_ms": c}
+        out["arms"][f"{name}/{kind}"] = {"added_ms": ttft, "added_e2e_ms": e2e, "cpu_ms": c}
         print(
-            f"| {name} | {kind} | {statistics.median(deltas):+.2f} ({min(deltas):+.2f} to "
-            f"{max(deltas):+.2f}) | {statistics.median(c):.2f} |"
+            f"| {name} | {kind} | {_spread(ttft)} | {_spread(e2e)} | {statistics.median(c):.2f} |"
         )
-    direct_text = statistics.median(added[("direct", "text")])
-    print(f"\n(direct to the engine, text: TTFT p50 {direct_text:.1f} ms)")
+    print(f"\n(direct to the engine, text: TTFT p50 {statistics.median(direct_ms):.1f} ms)")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):+.2f} ({min(values):+.2f} to {max(values):+.2f})"
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ __all__ = [
     "engine_presets",
     "policies",
     "prompt_ids",
+    "relay_answer_output",
     "relay_text_prompt",
     "relay_token_prompt",
     "sequence_keys",
@@ -247,6 +248,7 @@ def relay_token_prompt(
     session_field: str | None = None,
     session_header: str | None = None,
 ) -> tuple[npt.NDArray[np.uint64], int, bool, int | str | None] | None: ...
+def relay_answer_output(raw: bytes, stream: bool) -> tuple[list[int] | None, str, int | None] | None: ...
 def relay_text_prompt(
     model: TextModel,
     body: bytes,

@@ -37,6 +37,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(relay::relay_token_prompt, m)?)?;
     #[cfg(unix)]
     m.add_function(wrap_pyfunction!(relay::relay_text_prompt, m)?)?;
+    m.add_function(wrap_pyfunction!(relay::relay_answer_output, m)?)?;
     m.add_class::<sim::engine_model::PyEngineModel>()?;
     m.add_function(wrap_pyfunction!(sim::simulate_runs, m)?)?;
     m.add_function(wrap_pyfunction!(sim::engine_params, m)?)?;

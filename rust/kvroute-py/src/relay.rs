@@ -9,7 +9,8 @@
 //! `success(index)`; `log_error(message)`; and its attribute `key_may_block` says whether
 //! `key` may wait on the network (it then runs on a thread of its own), and `output_from_text`
 //! whether `output` can tokenize text (else it only gets answers with `token_ids`). With a
-//! `model` (`kvroute._core.TextModel`) the relay keys text and chat bodies itself.
+//! `model` (`kvroute._core.TextModel`) the relay keys text and chat bodies itself and reads
+//! answers' output itself (`output` is asked only of answers it is not sure of).
 //!
 //! Thread-safety: the relay's thread never holds the router lock while it waits for the GIL
 //! (lock order GIL → router, as in `router.rs`); `stop` waits without the GIL.
@@ -198,6 +199,16 @@ pub fn relay_text_prompt<'py>(
     });
     keyed.map(|k| keyed_tuple(py, k)).transpose()
 }
+
+/// The relay's own reading of an answer's output: `(token_ids or None, text,
+/// completion_tokens or None)`, or None when it leaves the answer to the hooks
+/// (`kvroute_core::relay::output`). For tests that hold it to the Python reader.
+#[pyfunction]
+pub fn relay_answer_output(raw: &[u8], stream: bool) -> RelayOutput {
+    kvroute_core::relay::output::answer_output(raw, stream).map(|o| (o.ids, o.text, o.generated))
+}
+
+type RelayOutput = Option<(Option<Vec<u32>>, String, Option<u64>)>;
 
 /// `(scheme, host, port)` as the Python side writes addresses; scheme `http` or `unix`
 /// (host: the socket path).

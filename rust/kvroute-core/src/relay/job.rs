@@ -1,10 +1,12 @@
 //! One generation request's books from its routing to its end: its [`Job`] (finished in the
 //! router when it drops, however the request ends), the backend an attempt went to ([`At`]:
-//! its failures and recoveries told to the hooks), and [`output`], the answer's output read by
-//! the hooks for the router to record the blocks it completed.
+//! its failures and recoveries told to the hooks), and [`output`], the answer's output read
+//! (in Rust where it can be, else by the hooks) for the router to record the blocks it
+//! completed.
 //!
 //! O(1) per job besides the router lock at its end; recording an output is O(its tokens)
-//! under the router lock; reading it is one hook call (on the blocking pool when the hooks may
+//! under the router lock; reading it is O(the answer) plus tokenizing its text, on the event
+//! loop for a short answer, else on the blocking pool (and there always when the hooks may
 //! wait on the network). A job belongs to its request's task.
 
 use std::future::Future;
@@ -17,10 +19,12 @@ use std::time::Instant;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinHandle;
 
+use super::output::{answer_output, AnswerOutput};
 use super::stats::{BackendStats, ErrorKind};
 use super::{Backend, Keyed, Shared};
 use crate::jobs::locked;
 use crate::keys::sequence_keys;
+use crate::text::TextModel;
 use crate::Id;
 
 /// The longest answer whose output is modelled (longer ones are relayed all the same).
@@ -117,14 +121,47 @@ pub(super) fn has_token_ids(answer: &[u8]) -> bool {
     super::usage::find(answer, "\"token_ids\"", false).is_some()
 }
 
-/// Start reading the output of `answer` (`stream`: an SSE body) with the hooks.
+/// Answers shorter than this are read on the event loop, longer ones on the blocking pool.
+const INLINE_ANSWER_BYTES: usize = 4096;
+
+/// Start reading the output of `answer` (`stream`: an SSE body): in Rust where it can be
+/// ([`answer_output`], the model's tokenizer for its text), else with the hooks.
 pub(super) fn output(sh: &Arc<Shared>, answer: Vec<u8>, stream: bool) -> Output {
-    if !sh.config.output_from_text && !has_token_ids(&answer) {
+    let from_text = sh.config.output_from_text;
+    if !from_text && !has_token_ids(&answer) {
         return Output::Now(None); // nothing the hooks could read the output's ids from
     }
-    if !sh.hooks.key_may_block() {
-        return Output::Now(sh.hooks.output(&answer, stream));
+    let inline = answer.len() < INLINE_ANSWER_BYTES && !sh.hooks.key_may_block();
+    let (hooks, model) = (Arc::clone(&sh.hooks), sh.config.text.clone());
+    let read = move || {
+        read_output(model.as_deref(), &answer, stream, from_text)
+            .unwrap_or_else(|| hooks.output(&answer, stream))
+    };
+    if inline {
+        return Output::Now(read());
     }
-    let hooks = Arc::clone(&sh.hooks);
-    Output::Later(tokio::task::spawn_blocking(move || hooks.output(&answer, stream)))
+    Output::Later(tokio::task::spawn_blocking(read))
+}
+
+/// The ids an answer generated and how many tokens it sampled, read in Rust as the hooks
+/// would read them (`Some(None)`: nothing to record); None where only the hooks can (an
+/// answer [`answer_output`] is not sure of, text without a model to tokenize it).
+fn read_output(
+    model: Option<&TextModel>,
+    answer: &[u8],
+    stream: bool,
+    from_text: bool,
+) -> Option<Option<(Vec<u32>, u64)>> {
+    let AnswerOutput { ids, text, generated } = answer_output(answer, stream)?;
+    let counted = |ids: Vec<u32>| {
+        let n = generated.unwrap_or(ids.len() as u64);
+        (ids, n)
+    };
+    if let Some(ids) = ids {
+        return Some(Some(counted(ids)));
+    }
+    if text.is_empty() || !from_text {
+        return Some(None);
+    }
+    Some(model?.encode_answer(&text).ok().map(counted))
 }

@@ -14,6 +14,8 @@
 //! - `server`: client connections on hyper's server: reading requests, refusing bad ones,
 //!   relaying the side application's requests.
 //! - `reply`: answer bodies and JSON error bodies.
+//! - [`output`]: what an answer generated (its token ids or text), for the router to record
+//!   the blocks the engine stored for it.
 //! - [`stats`]: counters and histograms for the metrics; `usage`: the usage an answer
 //!   reports; `log`: the JSONL decision log.
 //!
@@ -23,8 +25,9 @@
 //! goes to the side application (the control plane: health, metrics, admin) at
 //! `RelayConfig::side`. What the relay cannot do by itself it asks of its [`Hooks`]: the keys
 //! of a body it cannot key itself (without a model, text and chat; the `backend` tokenizer;
-//! bodies it is not sure of), and a backend's failures and recoveries (its health state
-//! lives there). At most `max_connections` client connections are served at once;
+//! bodies it is not sure of), the output of an answer it cannot read itself (text without a
+//! model, answers it is not sure of), and a backend's failures and recoveries (its health
+//! state lives there). At most `max_connections` client connections are served at once;
 //! one beyond gets a 503 and is closed.
 //!
 //! Thread-safety: the relay's state is shared with the caller's threads through an `Arc`;
@@ -35,6 +38,7 @@ pub mod connect;
 mod forward;
 mod job;
 mod log;
+pub mod output;
 mod pool;
 mod reply;
 mod request;
@@ -135,7 +139,8 @@ pub trait Hooks: Send + Sync {
     /// off the event loop).
     fn key_may_block(&self) -> bool;
     /// The token ids an answer (`stream`: its SSE body) generated, as far as they are known,
-    /// and how many tokens it sampled.
+    /// and how many tokens it sampled: for answers the relay cannot read itself
+    /// ([`output`]).
     fn output(&self, answer: &[u8], stream: bool) -> Option<(Vec<u32>, u64)>;
     /// Backend `index` failed a request (connection, 5xx, timeout, mid-stream).
     fn failure(&self, index: usize);

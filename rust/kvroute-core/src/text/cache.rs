@@ -77,6 +77,13 @@ fn encode(tok: &Tokenizer, text: &str, special: bool) -> Result<Tokens, TextErro
     Ok((e.get_ids().to_vec(), offsets))
 }
 
+/// The ids of `text` from the tokenizer alone.
+pub fn encode_ids(tok: &Tokenizer, text: &str, special: bool) -> Result<Vec<u32>, TextError> {
+    tok.encode_fast(text, special)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| TextError(format!("the tokenizer failed: {e}")))
+}
+
 /// Whether `b` is where a line with content starts (after `\n`) or a word does (at a space
 /// after a byte that is not ASCII whitespace), before a byte that is not ASCII whitespace.
 fn cut_point(text: &[u8], b: usize) -> bool {
@@ -116,10 +123,7 @@ impl PrefixCache {
     /// an earlier prompt's where it can be (see the module doc).
     pub fn encode(&self, tok: &Tokenizer, text: &str, special: bool) -> Result<Vec<u32>, TextError> {
         if text.len() < MIN_SHARED {
-            return tok
-                .encode_fast(text, special)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TextError(format!("the tokenizer failed: {e}")));
+            return encode_ids(tok, text, special);
         }
         let spliced = match self.best(text, special) {
             Some(earlier) => self.splice(tok, &earlier, text, special)?,

@@ -86,6 +86,12 @@ impl TextModel {
         self.cache.encode(&self.tokenizer, text, special)
     }
 
+    /// The token ids of an answer's `text` (no special tokens), past the prefix cache (an
+    /// answer is not the start of a later prompt: the prompt that extends it is).
+    pub fn encode_answer(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        cache::encode_ids(&self.tokenizer, text, false)
+    }
+
     /// A chat body's prompt text: its `messages` (and `tools`, `add_generation_prompt`,
     /// `continue_final_message`, `chat_template_kwargs`) through the chat template.
     pub fn render_chat(&self, body: &serde_json::Map<String, Value>) -> Result<String, TextError> {
