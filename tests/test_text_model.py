@@ -234,9 +234,9 @@ def test_the_prefix_cache_splices_exactly(
     prompt = base
     for tail in tails:
         prompt = prompt[: max(len(prompt) - cut, 0)] + tail if cut % 3 == 0 else prompt + tail
-        for text in (prompt, prompt + tail):
-            want = reference.encode(text, add_special_tokens=special).ids
-            assert model.encode(text, special) == want
+        for text, sp in ((prompt, special), (prompt + tail, special), (prompt, not special)):
+            want = reference.encode(text, add_special_tokens=sp).ids
+            assert model.encode(text, sp) == want
 
 
 def test_an_agents_next_turn_is_spliced(tokenizer_json: Path) -> None:
@@ -251,6 +251,9 @@ def test_an_agents_next_turn_is_spliced(tokenizer_json: Path) -> None:
         prompt += f"turn {turn} answer (tools) 日本語 🙂\nnext message\n"
         assert model.encode(prompt, True) == reference.encode(prompt).ids
     assert model.cache_counts == (3, 1)
+    # The same prompt again (a retry): its ids at once, counted with the spliced ones.
+    assert model.encode(prompt, True) == reference.encode(prompt).ids
+    assert model.cache_counts == (4, 1)
 
 
 WORDS = st.lists(st.text(st.sampled_from("ab é日🙂.,(){}_=\t'0"), max_size=12), min_size=1)

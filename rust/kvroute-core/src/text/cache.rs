@@ -13,8 +13,9 @@
 //!   cut to [`WINDOW`] bytes after it is tokenized again: the splice is taken only if the
 //!   window's ids are the earlier prompt's ids before the cut followed by the new part's.
 //!
-//! Anything else (no shared part of [`MIN_SHARED`] bytes, no such cut, a window that
-//! disagrees, a post-processor that adds tokens at the end) tokenizes the whole prompt.
+//! A prompt kept whole (a retry, a repeated request) is its ids at once. Anything else (no
+//! shared part of [`MIN_SHARED`] bytes, no such cut, a window that disagrees, a post-processor
+//! that adds tokens at the end) tokenizes the whole prompt.
 //!
 //! Memory: the [`MAX_ENTRIES`] most recent prompts (their text and 12 bytes a token) up to
 //! [`MAX_BYTES`]; a prompt that a newer one extends is dropped. Cost of a hit: one scan of
@@ -126,6 +127,8 @@ impl PrefixCache {
             return encode_ids(tok, text, special);
         }
         let spliced = match self.best(text, special) {
+            // A prompt tokenized before (a retry, a repeated request): its ids at once.
+            Some(earlier) if *earlier.text == *text => Some((earlier.ids.clone(), earlier.offsets.clone())),
             Some(earlier) => self.splice(tok, &earlier, text, special)?,
             None => None,
         };
