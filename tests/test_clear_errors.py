@@ -196,3 +196,31 @@ def test_figure_with_unknown_format_is_bad_input(tmp_path: Path) -> None:
         main, ["trace", "stats", str(BUNDLED), "--plot", str(tmp_path / "a.xyz")]
     )
     assert res.exit_code == 2 and "cannot be written as 'xyz'" in res.output
+
+
+def test_a_simulation_of_nothing_is_an_error(tmp_path: Path) -> None:
+    """Requests no engine can hold are not simulated: said on stderr, and an error when no
+    request of a run is left (its table would be only dashes)."""
+    lines = BUNDLED.read_text().splitlines()[:3]
+    huge = lines[0].replace('"output_length": 500', '"output_length": 1000000000')
+    (tmp_path / "one.jsonl").write_text(huge + "\n")
+    res = CliRunner().invoke(main, ["simulate", str(tmp_path / "one.jsonl"), "--mode", "tracets"])
+    assert res.exit_code == 2 and "1 of 1 request(s) not simulated" in res.output, res.output
+    assert "exceeds the engine's KV capacity" in res.output
+    (tmp_path / "some.jsonl").write_text("\n".join([huge, *lines[1:]]) + "\n")
+    res = CliRunner().invoke(main, ["simulate", str(tmp_path / "some.jsonl"), "--mode", "tracets"])
+    assert res.exit_code == 0 and "1 of 3 request(s) not simulated" in res.output, res.output
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_float_options_refuse_what_is_not_a_finite_number_in_range(value: str) -> None:
+    res = CliRunner().invoke(main, ["simulate", str(BUNDLED), "--slo-ttft-p90", value])
+    assert res.exit_code == 2 and "--slo-ttft-p90" in res.output, res.output
+
+
+def test_unbounded_numbers_say_finite_without_a_bound() -> None:
+    with pytest.raises(kvroute.InvalidArgumentError) as got:
+        kvroute.Router(2, overload_factor=math.inf)
+    assert str(got.value).startswith("overload_factor must be a finite number, got inf")
+    with pytest.raises(kvroute.InvalidArgumentError, match=r"finite number, got nan$"):
+        kvroute.args.number(math.nan, "x")

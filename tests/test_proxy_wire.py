@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import select
 import socket
 import threading
@@ -235,6 +236,33 @@ def test_unreadable_requests_are_refused_and_closed(
     wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
 
 
+def test_requests_the_side_application_is_not_sent(
+    proxied: tuple[str, Backend, Proxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A method that is not upper case, and a request target over 8 KiB, are answered by the
+    relay (405, 414) on a connection that stays open; the side application logs nothing."""
+    url, _, _ = proxied
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+    with connect(url) as sock:
+        r = Reader(sock)
+        for raw, status, method in [
+            (b"get /health HTTP/1.1\r\nHost: x\r\n\r\n", 405, "GET"),
+            (
+                b"post /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+                405,
+                "POST",
+            ),
+            (b"GET /health?" + b"a" * 60_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "GET"),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 200, "GET"),
+        ]:
+            sock.sendall(raw)
+            head, body = r.response(method)
+            assert head.status == status, body
+            if status != 200:
+                assert json.loads(body)["error"]["code"] == status
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
+
+
 def test_a_slow_reader_gets_every_byte(proxied: tuple[str, Backend, Proxy]) -> None:
     url, _, proxy = proxied
     with connect(url) as sock:
@@ -441,6 +469,31 @@ def test_slow_clients_are_cut_at_the_header_deadline_and_others_are_served() -> 
             for sock in slow:
                 sock.close()
         wait_until(lambda: proxy.router.in_flight == 0, what="the router to finish")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"1000000000000000\r\n" + b"x" * 100,  # a chunk of 2^60 bytes announced, 100 sent
+        b"10\r\n12345",  # a chunk that stops arriving
+    ],
+)
+def test_a_body_not_complete_in_time_gets_408(body: bytes) -> None:
+    """A chunked body that stops arriving (whatever chunk it announced) is answered 408 at
+    the body-read deadline, and the connection closed; others are served meanwhile."""
+    with ServerThread() as st:
+        backend = Backend()
+        config = ProxyConfig(backends=[st.start(backend.app())], body_read_timeout_s=1.0)
+        url = st.start(Proxy(config))
+        with connect(url) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            sock.sendall(head + body)
+            assert http("POST", url + "/v1/completions", {"prompt": [2]})[0] == 200
+            r = Reader(sock)
+            answer, text = r.response()
+            assert answer.status == 408
+            assert "not complete within 1" in json.loads(text)["error"]["message"]
+            assert r.closed()
 
 
 def test_connections_beyond_the_cap_get_503() -> None:

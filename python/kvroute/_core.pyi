@@ -90,7 +90,7 @@ class KvBatchSummary(TypedDict):
 def decode_kv_events(payload: bytes | list[Any]) -> KvBatchSummary: ...
 
 class KvApplied(TypedDict):
-    outcome: Literal["applied", "duplicate", "gap"]
+    outcome: Literal["applied", "duplicate", "gap", "foreign"]
     expected: int | None
     reset: bool
     degraded: bool
@@ -109,6 +109,7 @@ class KvRankView(TypedDict):
     unknown_removals: int
     unkeyable_blocks: int
     gaps: int
+    foreign_batches: int
     resets: int
     blocks_indexed: int
     last_ts: float
@@ -175,7 +176,13 @@ class Router:
     def extend(self, request_id: RequestId, hash_ids: HashIds) -> bool: ...
     def set_cache_capacity(self, instance: int, capacity: int | None) -> None: ...
     def apply_kv_events(
-        self, instance: int, seq: int, batch: bytes | list[Any], *, replayed: bool = False
+        self,
+        instance: int,
+        seq: int,
+        batch: bytes | list[Any],
+        *,
+        replayed: bool = False,
+        rank: int | None = None,
     ) -> KvApplied: ...
     def kv_resync(self, instance: int, rank: int, reason: str) -> None: ...
     def kv_reset(self, instance: int) -> None: ...
@@ -230,6 +237,7 @@ class Relay:
         session_field: str | None = None,
         decision_log: str | os.PathLike[str] | None = None,
         header_read_timeout_s: float = 30.0,
+        body_read_timeout_s: float = 60.0,
         max_connections: int = 8192,
         upstream_idle_timeout_s: float = 30.0,
         model: TextModel | None = None,
@@ -248,7 +256,9 @@ def relay_token_prompt(
     session_field: str | None = None,
     session_header: str | None = None,
 ) -> tuple[npt.NDArray[np.uint64], int, bool, int | str | None] | None: ...
-def relay_answer_output(raw: bytes, stream: bool) -> tuple[list[int] | None, str, int | None] | None: ...
+def relay_answer_output(
+    raw: bytes, stream: bool
+) -> tuple[list[int] | None, str, int | None] | None: ...
 def relay_text_prompt(
     model: TextModel,
     body: bytes,

@@ -47,8 +47,8 @@ def number(value: Any, name: str, lo: float = -math.inf, *, above: bool = False)
     except OverflowError:
         v = math.inf
     if not math.isfinite(v) or v < lo or (above and v == lo):
-        bound = f"> {lo:g}" if above else f">= {lo:g}"
-        raise InvalidArgumentError(f"{name} must be a finite number {bound}, got {value}")
+        bound = "" if lo == -math.inf else f" > {lo:g}" if above else f" >= {lo:g}"
+        raise InvalidArgumentError(f"{name} must be a finite number{bound}, got {value}")
     return v
 
 

@@ -4,19 +4,28 @@ vLLM publishes each data-parallel rank's events on a ZMQ PUB socket as messages 
 frames, ``[topic, seq (8 bytes, big-endian), msgpack batch]``, and can keep the last batches
 for a ROUTER *replay* socket. :class:`Subscriber` holds one SUB socket per (instance, rank)
 on one thread and applies every batch, in order, with :meth:`kvroute.Router.apply_kv_events`
-(decoded in the Rust core). When a batch's sequence number skips ahead, the missing batches
-are asked from the replay socket (a DEALER sends the first missing number, the ROUTER sends
-back every buffered batch from it and an end marker with sequence -1); when they cannot be
-had (no replay socket, the replay starts too late, or it times out), the rank's view is
-marked degraded (:meth:`~kvroute.Router.kv_resync`) and the router routes that instance on
-its estimate until the view is whole again (``docs/kv-events.md``). A batch that cannot be
-decoded is a gap of one batch. Nothing is dropped without a count.
+(decoded in the Rust core), telling it the rank of the socket (a batch that names another
+rank is refused and counted). When a batch's sequence number skips ahead, the missing
+batches are asked from the replay socket (a DEALER sends the first missing number, the
+ROUTER sends back every buffered batch from it and an end marker with sequence -1) on a
+thread of their own, within :data:`REPLAY_DEADLINE_S`; meanwhile that rank's live batches
+wait (at most :data:`MAX_WAITING_BYTES`) and every other rank's are applied. When the
+missing batches cannot be had (no replay socket, the replay starts too late, times out, or
+too much waits), the rank's view is marked degraded (:meth:`~kvroute.Router.kv_resync`) and
+the router routes that instance on its estimate until the view is whole again
+(``docs/kv-events.md``). A batch that cannot be decoded is a gap of one batch. Nothing is
+dropped without a count.
+
+Bounds (``docs/kv-events.md``, "Trust"): a message is at most :data:`MAX_MESSAGE_BYTES`
+(ZMQ drops a larger one, and the connection: a gap), and at most :data:`RECEIVE_QUEUE`
+messages wait in ZMQ per socket (beyond, the publisher drops them: a gap).
 
 :func:`event_sources` turns an engine's ``GET /kv_event_sources`` answer into sources.
 
-Thread-safety: the public methods may be called from any thread; every socket lives on the
-subscriber's thread (commands reach it through a queue). Per batch: O(its bytes) to decode
-and O(its blocks) to apply.
+Thread-safety: the public methods may be called from any thread; every live socket lives on
+the subscriber's thread (commands reach it through a queue), each replay's DEALER on its own
+thread, whose batches come back to the subscriber's thread to be applied. Per batch: O(its
+bytes) to decode and O(its blocks) to apply.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import kvroute
 from kvroute.errors import InvalidArgumentError, KvrouteError
@@ -45,6 +55,14 @@ END_OF_REPLAY = -1
 WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
 #: Longest wait for a replay's next message, in seconds.
 REPLAY_TIMEOUT_S = 2.0
+#: Longest a whole replay may take, in seconds.
+REPLAY_DEADLINE_S = 10.0
+#: Largest message taken from a publisher (a vLLM batch is well under 1 MiB).
+MAX_MESSAGE_BYTES = 16 << 20
+#: Messages ZMQ keeps waiting per socket.
+RECEIVE_QUEUE = 64
+#: Bytes of one rank's live batches kept while its replay runs, and of a replay's batches.
+MAX_WAITING_BYTES = 64 << 20
 #: How often a source's decode errors are logged at most, in seconds.
 LOG_INTERVAL_S = 10.0
 
@@ -102,8 +120,25 @@ class SourceStats:
     decode_errors: int = 0
     replays: int = 0
     replay_failures: int = 0
+    #: Times the socket was opened again after its connection was dropped (a message over
+    #: the size limit ends a connection for good in ZMQ).
+    reopened: int = 0
     #: Batches a test asked to lose (:meth:`Subscriber.drop_next`).
     dropped: int = 0
+
+
+@dataclass
+class _Replay:
+    """A replay in flight: batches ``start..stop-1`` asked on a thread of its own; the
+    rank's live batches from ``stop`` on wait in ``waiting`` (``waiting_bytes`` of them)."""
+
+    start: int
+    stop: int
+    waiting: list[tuple[int, bytes]] = field(default_factory=list)
+    waiting_bytes: int = 0
+    #: Set by the replay's thread: the batches it got, and why it failed (None: it did not).
+    batches: list[tuple[int, bytes]] = field(default_factory=list)
+    failure: str | None = None
 
 
 @dataclass
@@ -111,23 +146,42 @@ class _Sub:
     instance: int
     source: Source
     socket: zmq.Socket[bytes]
+    #: The socket's monitor (its disconnections), for a socket that connects.
+    monitor: zmq.Socket[bytes] | None
     stats: SourceStats = field(default_factory=SourceStats)
     drop: int = 0
     logged_at: float = 0.0
+    replay: _Replay | None = None
 
 
 class Subscriber:
     """The KV-event subscriptions of one router (see the module doc)."""
 
-    def __init__(self, router: kvroute.Router, replay_timeout_s: float = REPLAY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        router: kvroute.Router,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        *,
+        replay_deadline_s: float = REPLAY_DEADLINE_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         if router.cache_view != "events":
             raise InvalidArgumentError(
                 "a KV-event subscriber needs a router with cache_view='events'"
             )
         self.router = router
         self.replay_timeout_s = replay_timeout_s
+        self.replay_deadline_s = replay_deadline_s
+        self.max_message_bytes = max_message_bytes
         self._ctx = zmq.Context()
         self._commands: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
+        #: Replays whose thread is done, for the subscriber's thread to apply.
+        self._replayed: queue.SimpleQueue[tuple[_Sub, _Replay]] = queue.SimpleQueue()
+        self._replay_threads: list[threading.Thread] = []
+        #: The subscriber's thread's own: its poller and what each polled socket is.
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket[bytes], _Sub] = {}
+        self._by_monitor: dict[zmq.Socket[bytes], _Sub] = {}
         self._subs: dict[int, list[_Sub]] = {}
         self._stats: dict[tuple[int, int], SourceStats] = {}
         self._running = True
@@ -166,6 +220,8 @@ class Subscriber:
         if self._running:
             self._running = False
             self._thread.join(timeout=5.0)
+            for t in self._replay_threads:
+                t.join(timeout=5.0)
             self._ctx.destroy(linger=0)
 
     def __enter__(self) -> Subscriber:
@@ -177,12 +233,14 @@ class Subscriber:
     # -- the subscriber's thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        by_socket: dict[zmq.Socket[bytes], _Sub] = {}
         while self._running:
-            self._commands_in(poller, by_socket)
-            for sock, _ in poller.poll(50):
-                sub = by_socket.get(sock)
+            self._commands_in()
+            self._replays_in()
+            for sock, _ in self._poller.poll(50):
+                if sock in self._by_monitor:
+                    self._monitor_event(self._by_monitor[sock])
+                    continue
+                sub = self._by_socket.get(sock)
                 for _ in range(1000):  # then let the other sources and commands in
                     if sub is None:
                         break
@@ -196,9 +254,9 @@ class Subscriber:
                         self._bad(sub, None, f"{type(exc).__name__}: {exc}")
         for subs in self._subs.values():
             for sub in subs:
-                sub.socket.close(linger=0)
+                self._forget(sub)
 
-    def _commands_in(self, poller: zmq.Poller, by_socket: dict[zmq.Socket[bytes], _Sub]) -> None:
+    def _commands_in(self) -> None:
         while True:
             try:
                 what, instance, arg = self._commands.get_nowait()
@@ -211,37 +269,89 @@ class Subscriber:
                     sub.drop += arg
             else:
                 for sub in self._subs.pop(instance, []):
-                    poller.unregister(sub.socket)
-                    by_socket.pop(sub.socket, None)
-                    sub.socket.close(linger=0)
+                    sub.replay = None  # a replay in flight is not applied
+                    self._forget(sub)
                 if what == "watch":
-                    subs = []
-                    for source in arg:
-                        try:
-                            subs.append(self._open(instance, source))
-                        except zmq.ZMQError as exc:
-                            log.error(
-                                "instance %d: cannot listen to %s: %s",
-                                instance,
-                                source.endpoint,
-                                exc,
-                            )
-                    self._subs[instance] = subs
-                    for sub in subs:
-                        poller.register(sub.socket, zmq.POLLIN)
-                        by_socket[sub.socket] = sub
+                    self._subs[instance] = [
+                        s for source in arg if (s := self._open(instance, source)) is not None
+                    ]
 
-    def _open(self, instance: int, source: Source) -> _Sub:
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-        if source.bind:
-            sock.bind(source.endpoint)
-        else:
-            sock.connect(source.endpoint)
+    def _open(self, instance: int, source: Source) -> _Sub | None:
         stats = self._stats.setdefault((instance, source.rank), SourceStats())
+        socket = self._socket(instance, source)
+        if socket is None:
+            return None
+        sub = _Sub(instance, source, *socket, stats)
+        self._listen(sub)
         log.info("instance %d rank %d: KV events from %s", instance, source.rank, source.endpoint)
-        return _Sub(instance, source, sock, stats)
+        return sub
+
+    def _socket(
+        self, instance: int, source: Source
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None] | None:
+        """A SUB socket for ``source`` and, when it connects, its monitor; None when it
+        cannot be opened (logged)."""
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        monitor = None
+        try:
+            if source.bind:
+                sock.bind(source.endpoint)
+            else:
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                sock.connect(source.endpoint)
+        except zmq.ZMQError as exc:
+            log.error("instance %d: cannot listen to %s: %s", instance, source.endpoint, exc)
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            return None
+        return sock, monitor
+
+    def _listen(self, sub: _Sub) -> None:
+        self._poller.register(sub.socket, zmq.POLLIN)
+        self._by_socket[sub.socket] = sub
+        if sub.monitor is not None:
+            self._poller.register(sub.monitor, zmq.POLLIN)
+            self._by_monitor[sub.monitor] = sub
+
+    def _forget(self, sub: _Sub) -> None:
+        self._poller.unregister(sub.socket)
+        self._by_socket.pop(sub.socket, None)
+        if sub.monitor is not None:
+            self._poller.unregister(sub.monitor)
+            self._by_monitor.pop(sub.monitor, None)
+            sub.socket.disable_monitor()
+            sub.monitor.close(linger=0)
+        sub.socket.close(linger=0)
+
+    def _monitor_event(self, sub: _Sub) -> None:
+        """The connection of ``sub``'s socket was dropped: ZMQ reconnects after a network
+        error but not after a protocol error (a message over the size limit), so the socket
+        is opened again either way (what it missed is a gap, as any)."""
+        assert sub.monitor is not None
+        try:
+            event = recv_monitor_message(sub.monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        socket = self._socket(sub.instance, sub.source)
+        if socket is None:
+            return
+        log.warning(
+            "instance %d rank %d: %s dropped the connection; listening again",
+            sub.instance,
+            sub.source.rank,
+            sub.source.endpoint,
+        )
+        sub.stats.reopened += 1
+        self._forget(sub)
+        sub.socket, sub.monitor = socket
+        self._listen(sub)
 
     def _message(self, sub: _Sub, frames: list[bytes]) -> None:
         sub.stats.messages += 1
@@ -253,48 +363,101 @@ class Subscriber:
             sub.drop -= 1
             sub.stats.dropped += 1
             return
-        got = self._apply(sub, seq, frames[2], replayed=False)
-        if got is not None and got["outcome"] == "gap":
-            expected = got["expected"]
-            assert expected is not None
-            self._repair(sub, expected, seq, frames[2])
+        self._live(sub, seq, frames[2])
+
+    def _live(self, sub: _Sub, seq: int, payload: bytes) -> None:
+        """A live batch: applied, or waiting while the rank's replay runs; a gap starts one."""
+        replay = sub.replay
+        if replay is not None:
+            replay.waiting.append((seq, payload))
+            replay.waiting_bytes += len(payload)
+            if replay.waiting_bytes > MAX_WAITING_BYTES:
+                sub.replay = None  # its thread's result is not taken
+                self._replay_failed(sub, replay, f"over {MAX_WAITING_BYTES} bytes waited for it")
+            return
+        got = self._apply(sub, seq, payload, replayed=False)
+        if got is None or got["outcome"] != "gap":
+            return
+        expected = got["expected"]
+        assert expected is not None
+        if sub.source.replay is None:
+            missing = f"batches {expected}..{seq - 1}"
+            self._resync(sub, f"{missing} were missed and the engine has no replay socket")
+            self._apply(sub, seq, payload, replayed=False)
+            return
+        sub.stats.replays += 1
+        sub.replay = _Replay(expected, seq, [(seq, payload)], len(payload))
+        thread = threading.Thread(
+            target=self._fetch, args=(sub, sub.replay), name="kvroute-kv-replay", daemon=True
+        )
+        self._replay_threads = [t for t in self._replay_threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _replays_in(self) -> None:
+        """Apply the replays whose thread is done, then the live batches that waited."""
+        while True:
+            try:
+                sub, replay = self._replayed.get_nowait()
+            except queue.Empty:
+                return
+            if sub.replay is not replay:
+                continue  # given up on already
+            sub.replay = None
+            failure = replay.failure or self._apply_replayed(sub, replay)
+            if failure is not None:
+                self._replay_failed(sub, replay, failure)
+            for seq, payload in replay.waiting:
+                self._live(sub, seq, payload)
+
+    def _apply_replayed(self, sub: _Sub, replay: _Replay) -> str | None:
+        """Apply a replay's batches; why they do not fill the gap, or None."""
+        for seq, payload in replay.batches:
+            got = self._apply(sub, seq, payload, replayed=True)
+            if got is not None and got["outcome"] == "gap":
+                return f"the replay begins at batch {replay.batches[0][0]}, after {got['expected']}"
+        if not replay.batches or replay.batches[0][0] != replay.start:
+            return f"the replay has no batch {replay.start}"
+        return None
+
+    def _replay_failed(self, sub: _Sub, replay: _Replay, failure: str) -> None:
+        sub.stats.replay_failures += 1
+        missing = f"batches {replay.start}..{replay.stop - 1}"
+        self._resync(sub, f"{missing} were missed and could not be replayed: {failure}")
 
     def _apply(self, sub: _Sub, seq: int, payload: bytes, replayed: bool) -> KvApplied | None:
+        rank = sub.source.rank
         try:
-            got = self.router.apply_kv_events(sub.instance, seq, payload, replayed=replayed)
+            got = self.router.apply_kv_events(
+                sub.instance, seq, payload, replayed=replayed, rank=rank
+            )
         except InvalidArgumentError as exc:
             self._bad(sub, seq, str(exc))
             return None
+        if got["outcome"] == "foreign":  # counted in the rank's view
+            self._log_now_and_then(sub, f"batch {seq} names another rank than {rank}: refused")
         if got["degraded"] or got["reset"]:
             view = self.router.kv_view(sub.instance)
-            state = (
-                next((r for r in view["ranks"] if r["rank"] == sub.source.rank), None)
-                if view
-                else None
-            )
+            state = next((r for r in view["ranks"] if r["rank"] == rank), None) if view else None
             what = "reset (the engine restarted)" if got["reset"] else "degraded"
             log.warning(
                 "instance %d rank %d: view %s: %s",
                 sub.instance,
-                sub.source.rank,
+                rank,
                 what,
                 state and state["reason"],
             )
         return got
 
-    def _bad(self, sub: _Sub, seq: int | None, why: str) -> None:
-        """A batch that cannot be applied: counted, logged now and then, and a gap."""
-        sub.stats.decode_errors += 1
+    def _log_now_and_then(self, sub: _Sub, what: str) -> None:
         now = time.monotonic()
         if now - sub.logged_at >= LOG_INTERVAL_S:
             sub.logged_at = now
-            log.error(
-                "instance %d rank %d: %s (%d so far)",
-                sub.instance,
-                sub.source.rank,
-                why,
-                sub.stats.decode_errors,
-            )
+            log.error("instance %d rank %d: %s", sub.instance, sub.source.rank, what)
+
+    def _bad(self, sub: _Sub, seq: int | None, why: str) -> None:
+        """A batch that cannot be applied: counted, logged now and then, and a gap."""
+        sub.stats.decode_errors += 1
+        self._log_now_and_then(sub, f"{why} ({sub.stats.decode_errors} so far)")
         self._resync(sub, f"batch {seq} could not be applied: {why}")
 
     def _resync(self, sub: _Sub, reason: str) -> None:
@@ -304,49 +467,49 @@ class Subscriber:
         except KvrouteError as exc:
             log.error("instance %d: %s", sub.instance, exc)
 
-    def _repair(self, sub: _Sub, expected: int, seq: int, payload: bytes) -> None:
-        """Batches ``expected..seq-1`` are missing: replay them, or degrade; then apply
-        batch ``seq``."""
-        missing = f"batches {expected}..{seq - 1}"
-        if sub.source.replay is None:
-            self._resync(sub, f"{missing} were missed and the engine has no replay socket")
-        else:
-            sub.stats.replays += 1
-            failure = self._replay(sub, expected, seq)
-            if failure is not None:
-                sub.stats.replay_failures += 1
-                self._resync(sub, f"{missing} were missed and could not be replayed: {failure}")
-        got = self._apply(sub, seq, payload, replayed=False)
-        if got is not None and got["outcome"] == "gap":
-            self._resync(sub, f"batches {got['expected']}..{seq - 1} were missed")
-            self._apply(sub, seq, payload, replayed=False)
+    def _fetch(self, sub: _Sub, replay: _Replay) -> None:
+        """The replay's thread: ask for batches ``replay.start..`` and keep those before
+        ``replay.stop`` in ``replay.batches``, or say in ``replay.failure`` why not; then hand
+        the replay back to the subscriber's thread."""
+        try:
+            replay.failure = self._ask_replay(sub.source, replay)
+        except zmq.ZMQError as exc:
+            replay.failure = f"ZMQ: {exc}"
+        self._replayed.put((sub, replay))
 
-    def _replay(self, sub: _Sub, start: int, stop: int) -> str | None:
-        """Apply the batches ``start..stop-1`` from the replay socket (the later ones come
-        live); why that failed, or None."""
-        assert sub.source.replay is not None
+    def _ask_replay(self, source: Source, replay: _Replay) -> str | None:
+        assert source.replay is not None
         dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        deadline = time.monotonic() + self.replay_deadline_s
+        kept = 0
         try:
-            dealer.connect(sub.source.replay)
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            first = None
+            dealer.connect(source.replay)
+            dealer.send_multipart([b"", replay.start.to_bytes(8, "big")])
             while True:
-                if not dealer.poll(int(self.replay_timeout_s * 1000)):
-                    return f"no answer from {sub.source.replay} in {self.replay_timeout_s} s"
+                quiet_until = time.monotonic() + self.replay_timeout_s
+                while not dealer.poll(100):
+                    now = time.monotonic()
+                    if not self._running:
+                        return "the subscriber is closing"
+                    if now > deadline:
+                        return f"not done in {self.replay_deadline_s} s"
+                    if now > quiet_until:
+                        return f"no answer from {source.replay} in {self.replay_timeout_s} s"
+                if time.monotonic() > deadline:
+                    return f"not done in {self.replay_deadline_s} s"
                 frames = dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     return f"a replay message of {len(frames)} frames"
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_OF_REPLAY:
-                    break
-                if seq >= stop:
-                    continue
-                first = seq if first is None else first
-                got = self._apply(sub, seq, frames[3], replayed=True)
-                if got is not None and got["outcome"] == "gap":
-                    return f"the replay begins at batch {first}, after {got['expected']}"
-            return None if first == start else f"the replay has no batch {start}"
+                    return None
+                if replay.start <= seq < replay.stop:
+                    kept += len(frames[3])
+                    if kept > MAX_WAITING_BYTES:
+                        return f"over {MAX_WAITING_BYTES} bytes replayed"
+                    replay.batches.append((seq, frames[3]))
         finally:
             dealer.close(linger=0)
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvroute.cli.common import output_option
+from kvroute.cli.common import Finite, output_option
 from kvroute.files import write_text
 
 _GRIDS = ("standard", "short", "held-out")
@@ -203,7 +203,7 @@ def calibrate(
     "--time-scale",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(min=0.0, min_open=True),
+    type=Finite(min=0.0, min_open=True),
     help="Multiply the trace's times by this (both runs).",
 )
 @click.option("--max-requests", type=click.IntRange(min=1), default=None)

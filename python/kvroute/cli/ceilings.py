@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvroute.ceilings import CapacityPoint, Ceilings, Variant
 from kvroute.ceilings import ceilings as compute_ceilings
-from kvroute.cli.common import executor_options, output_option
+from kvroute.cli.common import Finite, executor_options, output_option
 from kvroute.files import write_text
 
 
@@ -83,7 +83,7 @@ def _table(result: Ceilings, name: str) -> Table:
 )
 @click.option(
     "--task-memory",
-    type=click.FloatRange(min=0.001),
+    type=Finite(min=0.001),
     default=None,
     help="GiB each task reserves with --executor ray (Ray schedules by it).",
 )

@@ -13,6 +13,7 @@ Stateless apart from the SIGTERM handler a file-writing command installs.
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from collections.abc import Callable
@@ -28,6 +29,24 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Long-running servers keep their own signal handling (SIGTERM stops them cleanly).
 SERVERS = frozenset({"proxy", "engine", "kv-events"})
+
+
+class Finite(click.FloatRange):
+    """A float option that must be finite, within the bounds given (click's ``FloatRange``
+    lets ``nan`` and ``inf`` through)."""
+
+    name = "finite float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        got = super().convert(value, param, ctx)
+        if not math.isfinite(got):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return got
+
+
+#: Any finite float, and a finite float above 0.
+FINITE = Finite()
+POSITIVE = Finite(min=0, min_open=True)
 
 
 class BadInput(click.ClickException):

@@ -10,6 +10,7 @@ from typing import Any
 import click
 import zmq
 
+from kvroute.cli.common import FINITE, Finite
 from kvroute.kv_events import Source, Tally, event_sources
 
 
@@ -38,8 +39,8 @@ def _row(rank: int, now: dict[str, Any], before: dict[str, Any], dt: float) -> d
 @click.argument("target")
 @click.option("--topic", default="", help="Topic to subscribe to (default: every topic).")
 @click.option("--bind", is_flag=True, help="Bind the endpoint (the engine connects to it).")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.05))
-@click.option("--duration", default=None, type=float, help="Stop after this many seconds.")
+@click.option("--interval", default=1.0, show_default=True, type=Finite(min=0.05))
+@click.option("--duration", default=None, type=FINITE, help="Stop after this many seconds.")
 @click.option(
     "--batches",
     default=None,

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 import kvroute
-from kvroute.cli.common import BadInput, output_option
+from kvroute.cli.common import FINITE, BadInput, Finite, output_option
 from kvroute.errors import KvrouteError
 from kvroute.proxy.config import DEFAULT_POLICY
 
@@ -91,13 +91,13 @@ def _ready(what: str) -> Any:
     "--request-timeout",
     default=600.0,
     show_default=True,
-    type=float,
+    type=FINITE,
     help="Seconds to wait for a backend's next bytes.",
 )
-@click.option("--connect-timeout", default=3.0, show_default=True, type=float)
+@click.option("--connect-timeout", default=3.0, show_default=True, type=FINITE)
 @click.option("--max-concurrency", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option("--retries", default=2, show_default=True, type=click.IntRange(min=0))
-@click.option("--health-interval", default=2.0, show_default=True, type=float)
+@click.option("--health-interval", default=2.0, show_default=True, type=FINITE)
 @click.option("--unhealthy-after", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--healthy-after", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -116,8 +116,15 @@ def _ready(what: str) -> Any:
     "--header-timeout",
     default=30.0,
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
+    type=Finite(min=0, min_open=True),
     help="Seconds a client has to send a whole request head (also closes idle connections).",
+)
+@click.option(
+    "--body-timeout",
+    default=60.0,
+    show_default=True,
+    type=Finite(min=0, min_open=True),
+    help="Seconds a client has to send a whole request body once its head is read.",
 )
 @click.option(
     "--max-connections",
@@ -180,6 +187,7 @@ def proxy(**kw: Any) -> None:
             admin_token=kw["admin_token"] or None,
             decision_log=kw["decision_log"],
             header_read_timeout_s=kw["header_timeout"],
+            body_read_timeout_s=kw["body_timeout"],
             max_connections=kw["max_connections"],
             kv_events=kw["kv_events"],
             kv_event_sources=_sources(kw["kv_sources"]),
@@ -235,9 +243,7 @@ def _serve(app: Any, kw: dict[str, Any], what: str) -> None:
     show_default=True,
     help="The simulator's engine model, or the small Python one.",
 )
-@click.option(
-    "--speedup", default=1.0, show_default=True, type=click.FloatRange(min=0.0, min_open=True)
-)
+@click.option("--speedup", default=1.0, show_default=True, type=Finite(min=0.0, min_open=True))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--model", default=None, help="Model name to serve (default: the preset's model).")
@@ -269,11 +275,11 @@ def _serve(app: Any, kw: dict[str, Any], what: str) -> None:
 @click.option(
     "--no-kv-replay", is_flag=True, help="With --kv-events: no replay socket for missed batches."
 )
-@click.option("--error-rate", default=0.0, type=click.FloatRange(0, 1))
+@click.option("--error-rate", default=0.0, type=Finite(0, 1))
 @click.option("--error-status", default=500, type=click.IntRange(400, 599))
-@click.option("--stall-rate", default=0.0, type=click.FloatRange(0, 1))
-@click.option("--stall-seconds", default=30.0, type=float)
-@click.option("--die-rate", default=0.0, type=click.FloatRange(0, 1))
+@click.option("--stall-rate", default=0.0, type=Finite(0, 1))
+@click.option("--stall-seconds", default=30.0, type=FINITE)
+@click.option("--die-rate", default=0.0, type=Finite(0, 1))
 @click.option("--die-after-tokens", default=1, type=click.IntRange(min=0))
 @click.option("--fault-seed", default=0, type=int)
 @click.option("--no-uvloop", is_flag=True, help="Use asyncio's own event loop.")
@@ -332,13 +338,13 @@ def _engine_overrides(profile: Path | None, sets: tuple[str, ...]) -> dict[str, 
     default="thinktime",
     show_default=True,
 )
-@click.option("--rate", type=float, default=None, help="poisson: sessions per second.")
+@click.option("--rate", type=FINITE, default=None, help="poisson: sessions per second.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--time-scale",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(min=0.0),
+    type=Finite(min=0.0),
     help="Multiply trace times (timestamps, think times) by this.",
 )
 @click.option(
@@ -358,7 +364,7 @@ def _engine_overrides(profile: Path | None, sets: tuple[str, ...]) -> dict[str, 
 @click.option("--format", "fmt", default=None, help="Trace format (default: detected).")
 @click.option("--infer-sessions", is_flag=True, help="Mooncake: group requests into sessions.")
 @click.option("--vocab-size", default=32000, show_default=True, type=click.IntRange(min=257))
-@click.option("--request-timeout", default=3600.0, show_default=True, type=float)
+@click.option("--request-timeout", default=3600.0, show_default=True, type=FINITE)
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None)
 @click.option(
     "--reset-cache",

@@ -9,6 +9,7 @@ writes records, time series and summaries.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import sys
@@ -22,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute import _core
-from kvroute.cli.common import executor_options, output_option
+from kvroute.cli.common import FINITE, POSITIVE, BadInput, Finite, executor_options, output_option
 from kvroute.files import write_text
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     help="tracets, thinktime, poisson; 'both' = tracets,thinktime [default: thinktime].",
 )
 @click.option(
-    "--rate", "rates", multiple=True, type=float, help="Poisson session rate(s) per second."
+    "--rate", "rates", multiple=True, type=FINITE, help="Poisson session rate(s) per second."
 )
 @click.option(
     "--seed", "seed_list", multiple=True, type=click.IntRange(min=0), help="Seed(s) [default: 0]."
@@ -158,7 +159,7 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     "--sample-interval",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=Finite(min=0),
     help="Seconds between time-series samples (0: none).",
 )
 @click.option(
@@ -176,16 +177,24 @@ def _table(results: list[sim.SimResult], title: str) -> Table:
     help="Bisect each policy's highest Poisson rate within the SLOs.",
 )
 @click.option(
-    "--slo-ttft-p90", default=10.0, show_default=True, type=float, help="TTFT p90 SLO (s)."
+    "--slo-ttft-p90",
+    default=10.0,
+    show_default=True,
+    type=POSITIVE,
+    help="TTFT p90 SLO (s).",
 )
 @click.option(
-    "--slo-tpot-p90", default=0.05, show_default=True, type=float, help="TPOT p90 SLO (s)."
+    "--slo-tpot-p90",
+    default=0.05,
+    show_default=True,
+    type=POSITIVE,
+    help="TPOT p90 SLO (s).",
 )
 @click.option(
     "--rate-tol",
     default=0.05,
     show_default=True,
-    type=float,
+    type=POSITIVE,
     help="Relative width at which bisection stops.",
 )
 @output_option(
@@ -312,6 +321,23 @@ def simulate(
     console.print(_table(results, f"{trace_path.name}: {n} requests, {instances} x {preset}"))
     events = sum(int(r.stats["events"]) for r in results)
     console.print(f"[dim]{len(results)} run(s), {events} events, {elapsed:.2f} s[/dim]")
+    _report_errors(results)
+
+
+def _report_errors(results: list[Any]) -> None:
+    """Requests a run could not simulate, said on stderr; an error when a run simulated none
+    (its table row is only dashes)."""
+    for r in results:
+        errors = [e for e in r.records.column("error").to_pylist() if e is not None]
+        if not errors:
+            continue
+        n = r.records.num_rows
+        why = ", ".join(f"{c} {e}" for e, c in collections.Counter(errors).most_common())
+        run = f"{r.spec.policy}/{r.spec.mode}"
+        what = f"{run}: {len(errors)} of {n} request(s) not simulated ({why})"
+        if len(errors) == n:
+            raise BadInput(f"{what}: nothing to report")
+        click.echo(f"kvroute simulate: {what}", err=True)
 
 
 @contextlib.contextmanager

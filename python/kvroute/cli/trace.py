@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.cli.common import output_option
+from kvroute.cli.common import FINITE, Finite, output_option
 from kvroute.cli.synth import synth
 from kvroute.files import read_parquet
 from kvroute.trace import FORMATS, read_trace_with_report, write_trace
@@ -118,18 +118,18 @@ def convert(output: Path, force: bool, **read: Any) -> None:
 @trace.command("sample")
 @_input_options
 @_output_option
-@click.option("--window-seconds", type=float, default=None, help="Window length (default: all).")
-@click.option("--window-start", type=float, default=0.0, show_default=True)
+@click.option("--window-seconds", type=FINITE, default=None, help="Window length (default: all).")
+@click.option("--window-start", type=FINITE, default=0.0, show_default=True)
 @click.option(
     "--sample-ratio",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=Finite(0, 1, min_open=True),
     default=1.0,
     show_default=True,
     help="Fraction of the window's sessions to keep.",
 )
 @click.option(
     "--max-single-turn-ratio",
-    type=click.FloatRange(0, 1, max_open=True),
+    type=Finite(0, 1, max_open=True),
     default=None,
     help="Cap on the share of single-turn sessions.",
 )

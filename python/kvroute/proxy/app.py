@@ -124,6 +124,7 @@ class Proxy:
             session_field=c.session_field,
             decision_log=c.decision_log,
             header_read_timeout_s=c.header_read_timeout_s,
+            body_read_timeout_s=c.body_read_timeout_s,
             max_connections=c.max_connections,
             model=self.keyer.model,
         )

@@ -75,6 +75,8 @@ class ProxyConfig:
     #: Longest wait for a request head to be complete (also closes a kept-alive connection
     #: that idles that long), in seconds.
     header_read_timeout_s: float = 30.0
+    #: Longest wait for a request body to be complete once its head is read, in seconds.
+    body_read_timeout_s: float = 60.0
     #: Client connections served at once; one beyond gets a 503 and is closed.
     max_connections: int = 8192
     #: ``"auto"``: the router reads each engine's KV-cache events wherever it publishes them
@@ -96,7 +98,12 @@ class ProxyConfig:
         for name in (*names, "unhealthy_after", "healthy_after"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1")
-        timeouts = ("request_timeout_s", "connect_timeout_s", "header_read_timeout_s")
+        timeouts = (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "header_read_timeout_s",
+            "body_read_timeout_s",
+        )
         for name in (*timeouts, "health_interval_s"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be positive")

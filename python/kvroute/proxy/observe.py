@@ -159,6 +159,7 @@ _RANK_COUNTERS = (
     ("blocks_removed", "blocks_removed", "Blocks the engine reported removed."),
     ("blocks_ignored", "blocks_ignored", "Blocks outside the view (LoRA, other media, ...)."),
     ("gaps", "gaps", "Gaps in the batches' sequence numbers."),
+    ("foreign_batches", "foreign_batches", "Batches naming another rank than their socket's."),
     ("resets", "resets", "Restarts seen (sequence backwards, or the backend came back)."),
 )
 #: Per-rank counters of the subscriber.
@@ -166,6 +167,7 @@ _SOURCE_COUNTERS = (
     ("replays", "replays", "Replays asked of the engine's replay socket."),
     ("replay_failures", "replay_failures", "Replays that could not fill a gap."),
     ("decode_errors", "decode_errors", "Messages that could not be decoded or applied."),
+    ("reopened", "reopened", "Sockets opened again after their connection was dropped."),
 )
 
 

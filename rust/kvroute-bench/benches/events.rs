@@ -48,14 +48,14 @@ fn apply(c: &mut Criterion) {
         let mut seq = 0u64;
         // Fill to the resident size first (removals of blocks not stored yet are unknown).
         for b in batches.iter().take(batches.len() - 64) {
-            view.apply(0, seq, b, false);
+            view.apply(0, seq, b, false, None).expect("rank");
             seq += 1;
         }
         g.throughput(Throughput::Elements(2 * PER_BATCH as u64)); // stored + removed blocks
         g.bench_function(BenchmarkId::new("blocks", resident), |b| {
             let mut i = 0;
             b.iter(|| {
-                view.apply(0, seq, black_box(&batches[i]), false);
+                view.apply(0, seq, black_box(&batches[i]), false, None).expect("rank");
                 seq += 1;
                 i = (i + 1) % batches.len();
             });

@@ -50,7 +50,14 @@ fn measure(memberships: usize, holders: usize, reserved: bool) {
                 block_size: BS as u32,
                 ignored: None,
             });
-            view.apply(engine, seqs[engine], &EventBatch { ts: 0.0, events: vec![event], rank: 0 }, false);
+            view.apply(
+                engine,
+                seqs[engine],
+                &EventBatch { ts: 0.0, events: vec![event], rank: 0 },
+                false,
+                None,
+            )
+            .expect("rank");
             seqs[engine] += 1;
         }
     }

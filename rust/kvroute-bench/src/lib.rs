@@ -159,7 +159,13 @@ impl WarmRouter {
         if events {
             for (i, seq) in seqs.iter_mut().enumerate() {
                 router
-                    .apply_kv_events(i as i64, 0, &EventBatch { ts: 0.0, events: vec![], rank: 0 }, false)
+                    .apply_kv_events(
+                        i as i64,
+                        0,
+                        &EventBatch { ts: 0.0, events: vec![], rank: 0 },
+                        false,
+                        None,
+                    )
                     .expect("instance");
                 *seq = 1;
             }
@@ -198,7 +204,7 @@ impl WarmRouter {
                     let from = (held[d.instance] / BLOCK_SIZE) as usize;
                     let batch = stored_batch(s, keys, shared, d.instance, from, cut);
                     router
-                        .apply_kv_events(d.instance as i64, seqs[d.instance], &batch, false)
+                        .apply_kv_events(d.instance as i64, seqs[d.instance], &batch, false, None)
                         .expect("apply");
                     seqs[d.instance] += 1;
                 }

@@ -150,14 +150,15 @@ impl RealArg {
         Self(Ok(v))
     }
 
-    /// The value, if it is finite and at least `min`.
+    /// The value, if it is finite and at least `min` (`f64::MIN`: any finite value).
     pub fn get(&self, py: Python<'_>, name: &str, min: f64) -> PyResult<f64> {
+        let bound = if min > f64::MIN { format!(" >= {min}") } else { String::new() };
         match &self.0 {
             Err(Problem::Type(what)) => Err(wrong_type(py, format!("{name} must be a number, got {what}"))),
             Ok(v) if v.is_finite() && *v >= min => Ok(*v),
-            Ok(v) => Err(invalid(py, format!("{name} must be a finite number >= {min}, got {v}"))),
+            Ok(v) => Err(invalid(py, format!("{name} must be a finite number{bound}, got {v}"))),
             Err(Problem::Range(repr)) => {
-                Err(invalid(py, format!("{name} must be a finite number >= {min}, got {repr}")))
+                Err(invalid(py, format!("{name} must be a finite number{bound}, got {repr}")))
             }
         }
     }

@@ -42,6 +42,7 @@ pub fn applied_dict<'py>(py: Python<'py>, a: &Applied) -> PyResult<Bound<'py, Py
         Outcome::Applied => ("applied", None),
         Outcome::Duplicate => ("duplicate", None),
         Outcome::Gap { expected } => ("gap", Some(expected)),
+        Outcome::Foreign => ("foreign", None),
     };
     d.set_item("outcome", outcome)?;
     d.set_item("expected", expected)?;
@@ -72,6 +73,7 @@ fn rank_dict<'py>(py: Python<'py>, r: &RankReport) -> PyResult<Bound<'py, PyDict
         ("unknown_removals", r.unknown_removals),
         ("unkeyable_blocks", r.unkeyable_blocks),
         ("gaps", r.gaps),
+        ("foreign_batches", r.foreign_batches),
         ("resets", r.resets),
     ] {
         d.set_item(name, value)?;

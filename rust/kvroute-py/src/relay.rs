@@ -238,7 +238,7 @@ impl PyRelay {
     #[new]
     #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
         max_concurrency, retries, session_header, session_field = None, decision_log = None, header_read_timeout_s = 30.0,
-        max_connections = 8192, upstream_idle_timeout_s = 30.0, model = None))]
+        body_read_timeout_s = 60.0, max_connections = 8192, upstream_idle_timeout_s = 30.0, model = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -255,6 +255,7 @@ impl PyRelay {
         session_field: Option<String>,
         decision_log: Option<PathBuf>,
         header_read_timeout_s: f64,
+        body_read_timeout_s: f64,
         max_connections: usize,
         upstream_idle_timeout_s: f64,
         model: Option<&PyTextModel>,
@@ -274,6 +275,7 @@ impl PyRelay {
             request_timeout: seconds(py, request_timeout_s, "request_timeout_s")?,
             connect_timeout: seconds(py, connect_timeout_s, "connect_timeout_s")?,
             header_read_timeout: seconds(py, header_read_timeout_s, "header_read_timeout_s")?,
+            body_read_timeout: seconds(py, body_read_timeout_s, "body_read_timeout_s")?,
             max_connections,
             upstream_idle_timeout: seconds(py, upstream_idle_timeout_s, "upstream_idle_timeout_s")?,
             max_concurrency,

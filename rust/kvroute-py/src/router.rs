@@ -253,24 +253,32 @@ impl PyRouter {
 
     /// Apply one batch of an instance's KV-cache events: `batch` is the msgpack payload vLLM
     /// publishes (the third frame of a message) or the same batch decoded (`[ts, events,
-    /// rank]`), `seq` its sequence number, `replayed` whether it came from the engine's replay
-    /// socket. Returns `{"outcome": "applied" | "duplicate" | "gap", "expected", "reset",
-    /// "degraded"}` (docs/kv-events.md). Needs `cache_view="events"`.
-    #[pyo3(signature = (instance, seq, batch, *, replayed = None), text_signature = "($self, instance, seq, batch, *, replayed=False)")]
+    /// rank]`), `seq` its sequence number (unsigned 64 bits), `replayed` whether it came from
+    /// the engine's replay socket, `rank` the rank whose socket it came from (a batch naming
+    /// another is refused). Returns `{"outcome": "applied" | "duplicate" | "gap" | "foreign",
+    /// "expected", "reset", "degraded"}` (docs/kv-events.md). Needs `cache_view="events"`.
+    #[pyo3(
+        signature = (instance, seq, batch, *, replayed = None, rank = None),
+        text_signature = "($self, instance, seq, batch, *, replayed=False, rank=None)"
+    )]
     fn apply_kv_events<'py>(
         &self,
         instance: &Bound<'py, PyAny>,
-        seq: &Bound<'py, PyAny>,
+        seq: IntArg,
         batch: &Bound<'py, PyAny>,
         replayed: Option<&Bound<'py, PyAny>>,
+        rank: Option<IntArg>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let py = instance.py();
         let inst = self.instance(instance)?;
-        let seq = count(seq, "seq")?;
+        let seq = seq.get(py, "seq", 0, u64::MAX.into())?;
         let replayed = replayed.map(|r| convert::flag(r, "replayed")).transpose()?.unwrap_or(false);
+        let rank = rank.map(|r| r.get(py, "rank", 0, u32::MAX.into())).transpose()?;
         let batch = batch_of(batch, seq)?;
-        let applied =
-            self.lock().apply_kv_events(inst as i64, seq, &batch, replayed).map_err(|e| to_py(py, e))?;
+        let applied = self
+            .lock()
+            .apply_kv_events(inst as i64, seq, &batch, replayed, rank)
+            .map_err(|e| to_py(py, e))?;
         applied_dict(py, &applied)
     }
 

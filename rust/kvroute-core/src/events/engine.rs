@@ -12,6 +12,11 @@
 //!   `AllBlocksCleared`, or after a restart (a sequence that goes backwards, or
 //!   [`super::EventView::reset`]) replayed from sequence 0.
 //!
+//! A rank holds at most [`max_blocks`] of its engine's blocks (twice the engine's KV capacity,
+//! or [`MAX_BLOCKS_UNKNOWN`] when that is not known): a stream that stores more has missed
+//! removals, or lies, and the view turns degraded (its blocks dropped), so that what a
+//! publisher sends cannot grow the router's memory without bound.
+//!
 //! Applying a batch is O(its blocks × holders). Not synchronised.
 
 use rustc_hash::FxHashMap;
@@ -21,6 +26,18 @@ use super::pending::Pending;
 use super::table::Table;
 use super::{EventBatch, KvEvent, StoredBlocks};
 use crate::keys::{hash_block, ROOT_SEED};
+
+/// The most blocks a rank's view holds when its engine's capacity is not known.
+pub const MAX_BLOCKS_UNKNOWN: usize = 1 << 22;
+
+/// The most blocks a rank's view of an engine of `capacity` blocks (0: unknown) holds.
+pub fn max_blocks(capacity: usize) -> usize {
+    if capacity == 0 {
+        MAX_BLOCKS_UNKNOWN
+    } else {
+        capacity.saturating_mul(2).max(1024)
+    }
+}
 
 /// Whether a rank's view is exact (docs: the module doc).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +74,9 @@ pub enum Outcome {
         /// The first missing sequence number.
         expected: u64,
     },
+    /// Refused: the batch names another rank than the source it came from. Its events are
+    /// not applied; its sequence number is the source's, and the source's view moves past it.
+    Foreign,
 }
 
 /// Counters and state of one rank's view.
@@ -87,6 +107,8 @@ pub struct RankReport {
     pub unkeyable_blocks: u64,
     /// Gaps seen in the sequence numbers.
     pub gaps: u64,
+    /// Batches from this rank's source that named another rank (refused, not applied).
+    pub foreign_batches: u64,
     /// Restarts seen (sequence backwards or an explicit reset).
     pub resets: u64,
     /// Engine hashes held now (filled in by `snapshot`).
@@ -129,6 +151,7 @@ impl RankView {
             unknown_removals: 0,
             unkeyable_blocks: 0,
             gaps: 0,
+            foreign_batches: 0,
             resets: 0,
             blocks_indexed: 0,
             last_ts: 0.0,
@@ -137,6 +160,13 @@ impl RankView {
         };
         let hashes = Table::with_capacity(capacity);
         Self { hashes, copies: FxHashMap::default(), next_seq: None, report, capacity, dropped: None }
+    }
+
+    /// Its engine holds at most `capacity` blocks: size the table for them, and bound it
+    /// ([`max_blocks`]).
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity;
+        self.hashes.reserve(capacity);
     }
 
     pub fn state(&self) -> &ViewState {
@@ -197,7 +227,7 @@ impl RankView {
                 }
             }
         }
-        self.next_seq = Some(seq + 1);
+        self.next_seq = Some(seq.wrapping_add(1)); // after 2^64-1 comes 0
         let r = &mut self.report;
         r.last_seq = Some(seq);
         r.batches += 1;
@@ -206,6 +236,17 @@ impl RankView {
         r.last_ts = batch.ts;
         r.lag_s = unix_now() - batch.ts;
         !was_degraded && matches!(r.state, ViewState::Degraded(_))
+    }
+
+    /// Move past batch `seq`, which `check` let through, without applying its events: it
+    /// came from this rank's source but names another rank.
+    pub fn skip_foreign(&mut self, seq: u64) {
+        if self.report.state == ViewState::Awaiting {
+            self.report.state = ViewState::Complete;
+        }
+        self.next_seq = Some(seq.wrapping_add(1)); // after 2^64-1 comes 0
+        self.report.last_seq = Some(seq);
+        self.report.foreign_batches += 1;
     }
 
     fn store(
@@ -254,8 +295,15 @@ impl RankView {
                     ix.add(prev, inst);
                 }
             } else {
-                *self.copies.entry(h).or_insert(0) += 1;
+                let c = self.copies.entry(h).or_insert(0);
+                *c = c.saturating_add(1);
             }
+        }
+        let limit = max_blocks(self.capacity);
+        if self.hashes.len() > limit {
+            let why =
+                format!("the engine stored over {limit} blocks without removing them (missed removals)");
+            self.degrade(why, inst, ix);
         }
     }
 
@@ -287,7 +335,7 @@ impl RankView {
             ix.remove(key, inst);
         }
         self.hashes = Table::with_capacity(self.capacity);
-        self.copies.clear();
+        self.copies = FxHashMap::default();
     }
 
     /// The view cannot be trusted: drop its blocks (kept in `dropped` for the router, whose

@@ -106,6 +106,16 @@ impl ClusterIndex {
         self.keys.reserve(n);
     }
 
+    /// Give memory back after a mass removal, down to room for `n` keys (see
+    /// [`Table::shrink_to`]); holder lists all unused are dropped. O(1) unless it shrinks.
+    pub fn shrink_to(&mut self, n: usize) {
+        self.keys.shrink_to(n);
+        if self.free.len() == self.many.len() && !self.many.is_empty() {
+            self.many = Vec::new();
+            self.free = Vec::new();
+        }
+    }
+
     /// A holder list; its index as a key's value.
     fn spill(&mut self, list: Vec<(u32, u32)>) -> u64 {
         let at = match self.free.pop() {

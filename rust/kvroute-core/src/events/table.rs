@@ -29,6 +29,11 @@ impl<V: IndexValue> Default for Table<V> {
 /// grows as keys come.
 pub const RESERVE_LIMIT: usize = 1 << 24;
 
+/// Buckets for `n` keys at most 7/8 full (room for at most [`RESERVE_LIMIT`]).
+fn buckets_for(n: usize) -> usize {
+    (n.min(RESERVE_LIMIT) * 8).div_ceil(7).max(8)
+}
+
 impl<V: IndexValue> Table<V> {
     fn with_buckets(n: usize) -> Self {
         Self { keys: vec![0; n], vals: vec![V::VACANT; n], len: 0 }
@@ -37,7 +42,7 @@ impl<V: IndexValue> Table<V> {
     /// A table that holds `n` keys without growing (at most [`RESERVE_LIMIT`] reserved
     /// up front; beyond it the table grows on demand).
     pub fn with_capacity(n: usize) -> Self {
-        Self::with_buckets((n.min(RESERVE_LIMIT) * 8).div_ceil(7).max(8))
+        Self::with_buckets(buckets_for(n))
     }
 
     pub fn len(&self) -> usize {
@@ -160,6 +165,15 @@ impl<V: IndexValue> Table<V> {
         let n = n.min(RESERVE_LIMIT);
         if 8 * n > 7 * self.keys.len() {
             self.rehash(Self::with_capacity(n).keys.len());
+        }
+    }
+
+    /// Give memory back after a mass removal: rebuild for `n` keys (at least those held) when
+    /// the table has over four times the buckets that takes. O(1) unless it rebuilds.
+    pub fn shrink_to(&mut self, n: usize) {
+        let buckets = buckets_for(n.max(self.len));
+        if self.keys.len() > 4 * buckets {
+            self.rehash(buckets);
         }
     }
 

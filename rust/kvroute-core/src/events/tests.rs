@@ -38,7 +38,7 @@ fn batch(events: Vec<KvEvent>) -> EventBatch {
 }
 
 fn apply(r: &mut Router, inst: i64, seq: u64, events: Vec<KvEvent>) -> Outcome {
-    r.apply_kv_events(inst, seq, &batch(events), false).unwrap().outcome
+    r.apply_kv_events(inst, seq, &batch(events), false, None).unwrap().outcome
 }
 
 /// Tokens 0..n and the hits a request of them would get on each instance.
@@ -84,13 +84,13 @@ fn gaps_duplicates_and_restarts() {
     assert!(!r.event_view().unwrap().uses_events(0));
     assert_eq!(apply(&mut r, 0, 0, vec![stored(&[1], None, &t)]), Outcome::Applied);
     assert_eq!(apply(&mut r, 0, 2, vec![]), Outcome::Gap { expected: 1 });
-    let replay = |r: &mut Router, seq| r.apply_kv_events(0, seq, &batch(vec![]), true).unwrap().outcome;
+    let replay = |r: &mut Router, seq| r.apply_kv_events(0, seq, &batch(vec![]), true, None).unwrap().outcome;
     assert_eq!(replay(&mut r, 0), Outcome::Duplicate);
     assert_eq!(replay(&mut r, 1), Outcome::Applied);
     assert_eq!(apply(&mut r, 0, 2, vec![]), Outcome::Applied);
     assert_eq!(hits(&r, 5), vec![4]);
     // Live sequence 0 again: the engine restarted, its old blocks are gone.
-    let got = r.apply_kv_events(0, 0, &batch(vec![]), false).unwrap();
+    let got = r.apply_kv_events(0, 0, &batch(vec![]), false, None).unwrap();
     assert_eq!((got.outcome, got.reset), (Outcome::Applied, true));
     assert_eq!(hits(&r, 5), vec![0]);
     assert!(r.event_view().unwrap().uses_events(0));
@@ -102,7 +102,7 @@ fn an_unrepairable_view_degrades_until_cleared() {
     let t: Vec<u32> = (0..8).collect();
     apply(&mut r, 0, 0, vec![stored(&[1], None, &t[..4])]);
     r.route(Id::Int(1), &block_hashes_u32(&t, 4), 8, None).unwrap(); // pending there: not confirmed
-    let got = r.apply_kv_events(0, 1, &batch(vec![stored(&[3], Some(99), &t[4..])]), false).unwrap();
+    let got = r.apply_kv_events(0, 1, &batch(vec![stored(&[3], Some(99), &t[4..])]), false, None).unwrap();
     assert!(got.degraded);
     let view = r.kv_view(0).unwrap().unwrap();
     assert!(matches!(&view.ranks[0].state, ViewState::Degraded(why) if why.contains("parent")));
@@ -120,6 +120,43 @@ fn an_unrepairable_view_degrades_until_cleared() {
 }
 
 #[test]
+fn a_batch_naming_another_rank_than_its_source_is_refused() {
+    let mut r = router(1, 0);
+    let t: Vec<u32> = (0..4).collect();
+    let on = |r: &mut Router, seq, rank, events| {
+        r.apply_kv_events(0, seq, &EventBatch { ts: 0.0, events, rank }, false, Some(0)).unwrap().outcome
+    };
+    assert_eq!(on(&mut r, 0, 0, vec![stored(&[1], None, &t)]), Outcome::Applied);
+    assert_eq!(on(&mut r, 1, 7, vec![KvEvent::Cleared]), Outcome::Foreign);
+    let view = r.kv_view(0).unwrap().unwrap();
+    assert_eq!(view.ranks.len(), 1, "no view of the foreign rank");
+    assert_eq!((view.ranks[0].foreign_batches, view.ranks[0].last_seq), (1, Some(1)));
+    assert!(view.uses_events);
+    assert_eq!(hits(&r, 5), vec![4], "its events were not applied");
+    // The source's next batch follows on: the foreign one took the source's number 1.
+    assert_eq!(on(&mut r, 2, 0, vec![]), Outcome::Applied);
+    assert_eq!(on(&mut r, 3, 0, vec![KvEvent::Cleared]), Outcome::Applied);
+    assert_eq!(hits(&r, 5), vec![0]);
+}
+
+#[test]
+fn ranks_without_a_source_are_bounded_and_sequences_wrap() {
+    let mut r = router(1, 0);
+    for rank in 0..super::view::MAX_RANKS as u32 {
+        r.apply_kv_events(0, 0, &EventBatch { ts: 0.0, events: vec![], rank }, false, None).unwrap();
+    }
+    let more = EventBatch { ts: 0.0, events: vec![], rank: 5000 };
+    let err = r.apply_kv_events(0, 0, &more, false, None).unwrap_err().to_string();
+    assert!(err.contains("rank 5000 is refused"), "{err}");
+    assert_eq!(r.kv_view(0).unwrap().unwrap().ranks.len(), super::view::MAX_RANKS);
+    let mut r = router(1, 0);
+    assert_eq!(apply(&mut r, 0, 0, vec![]), Outcome::Applied);
+    r.kv_resync(0, 0, "test").unwrap();
+    assert_eq!(apply(&mut r, 0, u64::MAX, vec![]), Outcome::Applied);
+    assert_eq!(apply(&mut r, 0, 0, vec![]), Outcome::Applied, "2^64-1 is followed by 0");
+}
+
+#[test]
 fn a_block_size_other_than_the_routers_degrades() {
     let mut r = router(1, 0);
     let event = KvEvent::Stored(StoredBlocks {
@@ -129,7 +166,7 @@ fn a_block_size_other_than_the_routers_degrades() {
         block_size: 8,
         ignored: None,
     });
-    assert!(r.apply_kv_events(0, 0, &batch(vec![event]), false).unwrap().degraded);
+    assert!(r.apply_kv_events(0, 0, &batch(vec![event]), false, None).unwrap().degraded);
 }
 
 #[test]
@@ -150,4 +187,45 @@ fn routed_blocks_are_pending_until_confirmed_or_expired() {
     expect[first] = 4;
     assert_eq!(hits(&r, 9), expect);
     assert_eq!(r.kv_view(first as i64).unwrap().unwrap().pending, 0);
+}
+
+#[test]
+fn a_rank_holds_at_most_twice_its_engines_capacity() {
+    let mut r = router(1, 0);
+    apply(&mut r, 0, 0, vec![]);
+    r.set_cache_capacity(0, Some(600)).unwrap(); // after the rank's view was made
+    let limit = super::engine::max_blocks(600);
+    assert_eq!(limit, 1200);
+    // Stores with no removals: one block too many turns the view degraded, its blocks gone.
+    let tokens: Vec<u32> = (0..(limit as u32 + 1) * 4).collect();
+    let hashes: Vec<u64> = (1..=limit as u64 + 1).collect();
+    let got = r
+        .apply_kv_events(
+            0,
+            1,
+            &batch(vec![stored(&hashes[..limit], None, &tokens[..limit * 4])]),
+            false,
+            None,
+        )
+        .unwrap();
+    assert!(!got.degraded);
+    let last = stored(&hashes[limit..], Some(hashes[limit - 1]), &tokens[limit * 4..]);
+    assert!(r.apply_kv_events(0, 2, &batch(vec![last]), false, None).unwrap().degraded);
+    let view = r.kv_view(0).unwrap().unwrap();
+    assert!(matches!(&view.ranks[0].state, ViewState::Degraded(why) if why.contains("missed removals")));
+    assert_eq!(view.ranks[0].blocks_indexed, 0);
+}
+
+#[test]
+fn memory_comes_back_after_a_clear() {
+    let mut r = router(1, 0);
+    let n = 50_000u32;
+    let tokens: Vec<u32> = (0..n * 4).collect();
+    let hashes: Vec<u64> = (1..=u64::from(n)).collect();
+    apply(&mut r, 0, 0, vec![stored(&hashes, None, &tokens)]);
+    let full = r.event_view().unwrap().memory_bytes();
+    assert!(full > 50_000 * 20, "{full}");
+    apply(&mut r, 0, 1, vec![KvEvent::Cleared]);
+    let cleared = r.event_view().unwrap().memory_bytes();
+    assert!(cleared < full / 20, "{cleared} of {full}");
 }

@@ -16,6 +16,9 @@ use super::index::ClusterIndex;
 use super::pending::Pending;
 use super::EventBatch;
 
+/// The most data-parallel ranks one instance's view keeps.
+pub const MAX_RANKS: usize = 1024;
+
 /// What applying one batch did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Applied {
@@ -83,6 +86,9 @@ impl EventView {
     /// the cluster index, for that many, so that they do not rehash while the engine fills.
     pub fn reserve(&mut self, inst: usize, blocks: usize) {
         self.capacities[inst] = blocks;
+        for rank in &mut self.engines[inst] {
+            rank.set_capacity(blocks);
+        }
         self.index.reserve(self.capacities.iter().sum());
     }
 
@@ -103,35 +109,59 @@ impl EventView {
         }
     }
 
+    /// After `inst`'s view changed: whether routing reads it, and memory back from the index
+    /// after a mass removal.
     fn refresh(&mut self, inst: usize) {
         let ranks = &self.engines[inst];
         self.uses[inst] = !ranks.is_empty() && ranks.iter().all(|r| *r.state() == ViewState::Complete);
+        self.index.shrink_to(self.capacities.iter().sum());
     }
 
     /// Apply batch `seq` of `inst` (from its rank's PUB socket, or `replayed` from its replay
-    /// socket). Batches apply in sequence order per rank; see [`Outcome`].
-    pub fn apply(&mut self, inst: usize, seq: u64, batch: &EventBatch, replayed: bool) -> Applied {
+    /// socket). Batches apply in sequence order per rank; see [`Outcome`]. `source_rank`: the
+    /// rank whose socket it came from; a batch naming another rank is refused
+    /// ([`Outcome::Foreign`]). Without it, the batch's own rank is taken, and a rank beyond
+    /// the first [`MAX_RANKS`] of an instance is an error.
+    pub fn apply(
+        &mut self,
+        inst: usize,
+        seq: u64,
+        batch: &EventBatch,
+        replayed: bool,
+        source_rank: Option<u32>,
+    ) -> Result<Applied, String> {
         self.pending.expire(&mut self.index);
         let block_size = self.block_size;
+        let rank = source_rank.unwrap_or(batch.rank);
         let Self { index, engines, pending, .. } = self;
-        let view = rank_view(&mut engines[inst], batch.rank, self.capacities[inst]);
+        let view = rank_view(&mut engines[inst], rank, self.capacities[inst])?;
         let resets = view.report.resets;
-        let applied = match view.check(seq, replayed, inst, index) {
-            Some(outcome) => Applied { outcome, reset: view.report.resets > resets, degraded: false },
-            None => {
-                let degraded = view.apply(seq, batch, replayed, (inst, block_size, index, pending));
-                Applied { outcome: Outcome::Applied, reset: view.report.resets > resets, degraded }
+        let outcome = match view.check(seq, replayed, inst, index) {
+            Some(outcome) => Err(outcome),
+            None if rank != batch.rank => {
+                view.skip_foreign(seq);
+                Err(Outcome::Foreign)
             }
+            None => Ok(view.apply(seq, batch, replayed, (inst, block_size, index, pending))),
         };
+        let reset = view.report.resets > resets;
         self.refresh(inst);
-        applied
+        Ok(match outcome {
+            Ok(degraded) => Applied { outcome: Outcome::Applied, reset, degraded },
+            Err(outcome) => Applied { outcome, reset, degraded: false },
+        })
     }
 
     /// The batches `inst`'s `rank` missed cannot be replayed: degrade its view and take its
     /// next batch as a new start.
-    pub fn resync(&mut self, inst: usize, rank: u32, reason: String) {
-        rank_view(&mut self.engines[inst], rank, self.capacities[inst]).resync(reason, inst, &mut self.index);
+    pub fn resync(&mut self, inst: usize, rank: u32, reason: String) -> Result<(), String> {
+        rank_view(&mut self.engines[inst], rank, self.capacities[inst])?.resync(
+            reason,
+            inst,
+            &mut self.index,
+        );
         self.refresh(inst);
+        Ok(())
     }
 
     /// `inst`'s engine restarted (or was replaced): drop its view and pending blocks, and wait
@@ -204,14 +234,17 @@ impl EventView {
 }
 
 /// The view of `rank` among an instance's ranks (sorted by rank), added if new (sized for
-/// `capacity` blocks).
-fn rank_view(ranks: &mut Vec<RankView>, rank: u32, capacity: usize) -> &mut RankView {
+/// `capacity` blocks) and the instance has fewer than [`MAX_RANKS`].
+fn rank_view(ranks: &mut Vec<RankView>, rank: u32, capacity: usize) -> Result<&mut RankView, String> {
     let at = match ranks.binary_search_by_key(&rank, |r| r.report.rank) {
         Ok(at) => at,
+        Err(_) if ranks.len() >= MAX_RANKS => {
+            return Err(format!("rank {rank} is refused: the instance has {MAX_RANKS} ranks already"))
+        }
         Err(at) => {
             ranks.insert(at, RankView::new(rank, capacity));
             at
         }
     };
-    &mut ranks[at]
+    Ok(&mut ranks[at])
 }

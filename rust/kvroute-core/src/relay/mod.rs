@@ -76,6 +76,8 @@ pub struct RelayConfig {
     /// Longest wait for a request head to be complete, counted from when the connection
     /// waits for it (so it also closes an idle kept-alive connection).
     pub header_read_timeout: Duration,
+    /// Longest wait for a request body to be complete once its head is read (408 after).
+    pub body_read_timeout: Duration,
     /// Client connections served at once; one beyond gets a 503 and is closed.
     pub max_connections: usize,
     /// An idle upstream connection is closed after this long.

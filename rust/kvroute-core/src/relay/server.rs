@@ -8,8 +8,10 @@
 //! another HTTP version (505), a request head not complete within the header-read deadline,
 //! which also bounds an idle kept-alive connection. The relay refuses, with an OpenAI-style
 //! JSON error and a closed connection: a transfer coding besides `chunked` (501), a body over
-//! the limit (413, before reading it when announced) and a body that cannot be read (a
-//! malformed chunk, 400).
+//! the limit (413, before reading it when announced), a body not complete within the
+//! body-read deadline (408: a client that stops sending, or announces a chunk it never sends)
+//! and a body that cannot be read (a malformed chunk, 400). The side application is not sent
+//! a method that is not upper case (405) or a request target over 8 KiB (414).
 //!
 //! O(bytes) per request; one task per connection.
 
@@ -110,7 +112,12 @@ async fn handle(sh: Arc<Shared>, req: hyper::Request<Incoming>) -> Response<Out>
     if announced.is_some_and(|n| n > max as u64) {
         return too_big();
     }
-    let body = match Limited::new(body, max).collect().await {
+    let deadline = sh.config.body_read_timeout;
+    let Ok(read) = tokio::time::timeout(deadline, Limited::new(body, max).collect()).await else {
+        let message = format!("the request body was not complete within {} s", deadline.as_secs_f64());
+        return closing(error(408, &message, "invalid_request_error"));
+    };
+    let body = match read {
         Ok(body) => body.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_big(),
         Err(e) => {
@@ -125,7 +132,29 @@ async fn handle(sh: Arc<Shared>, req: hyper::Request<Incoming>) -> Response<Out>
         let chat = path == "/v1/chat/completions";
         return forward(sh, req, chat).await;
     }
+    if let Some(refusal) = unfit_for_side(&req) {
+        return refusal;
+    }
     to_side(&sh, req).await
+}
+
+/// The longest request target relayed to the side application (its endpoints have short
+/// paths and queries).
+const MAX_SIDE_TARGET: usize = 8 << 10;
+
+/// A request the side application is not to see: a method that is not upper case (every
+/// method it serves is; HTTP's are case-sensitive), or a target over [`MAX_SIDE_TARGET`].
+fn unfit_for_side(req: &Request) -> Option<Response<Out>> {
+    let method = req.head.method.as_str();
+    if !method.bytes().all(|b| b.is_ascii_uppercase()) {
+        let message = format!("unknown method {method:?} (methods are upper case)");
+        return Some(error(405, &message, "invalid_request_error"));
+    }
+    let len = req.target().len();
+    (len > MAX_SIDE_TARGET).then(|| {
+        let message = format!("the request target is {len} bytes, over {MAX_SIDE_TARGET}");
+        error(414, &message, "invalid_request_error")
+    })
 }
 
 /// Relay a request to the side application and its answer back.

@@ -10,7 +10,9 @@ use crate::events::{Applied, EventBatch, EventView, ViewReport};
 
 impl Router {
     /// Apply one batch of `instance`'s KV-cache events (`seq`: its sequence number; `replayed`:
-    /// it came from the engine's replay socket). Needs
+    /// it came from the engine's replay socket; `source_rank`: the rank whose socket it came
+    /// from, when known: a batch naming another rank is refused, see
+    /// [`EventView::apply`](crate::events::EventView::apply)). Needs
     /// [`CacheView::Events`](super::CacheView::Events).
     pub fn apply_kv_events(
         &mut self,
@@ -18,9 +20,11 @@ impl Router {
         seq: u64,
         batch: &EventBatch,
         replayed: bool,
+        source_rank: Option<u32>,
     ) -> Result<Applied> {
         let i = self.check_instance(instance)?;
-        let applied = self.events_mut()?.apply(i, seq, batch, replayed);
+        let applied =
+            self.events_mut()?.apply(i, seq, batch, replayed, source_rank).map_err(Error::InvalidArgument)?;
         if applied.reset {
             self.cache.lock().clear_instance(i); // a restarted engine holds nothing
         }
@@ -48,7 +52,7 @@ impl Router {
     /// and takes the next batch as a new start (docs/kv-events.md).
     pub fn kv_resync(&mut self, instance: i64, rank: u32, reason: &str) -> Result<()> {
         let i = self.check_instance(instance)?;
-        self.events_mut()?.resync(i, rank, reason.to_string());
+        self.events_mut()?.resync(i, rank, reason.to_string()).map_err(Error::InvalidArgument)?;
         self.estimate_from_events(i);
         Ok(())
     }
