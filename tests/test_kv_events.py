@@ -212,6 +212,13 @@ def test_apply_takes_a_decoded_batch_and_checks_its_arguments() -> None:
     with pytest.raises(InvalidArgumentError, match="cache_view"):
         kvroute.Router(1, cache_view="exact")  # type: ignore[arg-type]
     assert kvroute.Router(1).kv_view(0) is None
+    # The wire's sequence numbers are unsigned 64-bit; the source's rank refuses others.
+    r.kv_resync(0, 0, "test")
+    assert r.apply_kv_events(0, 2**64 - 1, encode_batch([], ts=0, rank=0))["outcome"] == "applied"
+    with pytest.raises(InvalidArgumentError, match="seq must be an int in"):
+        r.apply_kv_events(0, 2**64, encode_batch([], ts=0, rank=0))
+    foreign = r.apply_kv_events(0, 0, encode_batch([cleared()], ts=0, rank=7), rank=0)
+    assert foreign["outcome"] == "foreign" and rank0(r)["foreign_batches"] == 1
 
 
 def test_event_sources_of_a_kv_event_sources_answer(pub: KvEventPublisher) -> None:

@@ -140,6 +140,20 @@ fn a_batch_naming_another_rank_than_its_source_is_refused() {
 }
 
 #[test]
+fn a_rank_without_a_source_makes_no_view_before_its_start() {
+    // A stray batch of rank 7 (not its sequence 0): a gap, and instance 0 stays on its events.
+    let mut r = router(1, 0);
+    let t: Vec<u32> = (0..4).collect();
+    assert_eq!(apply(&mut r, 0, 0, vec![stored(&[1], None, &t)]), Outcome::Applied);
+    let stray = EventBatch { ts: 0.0, events: vec![KvEvent::Cleared], rank: 7 };
+    assert_eq!(r.apply_kv_events(0, 1, &stray, false, None).unwrap().outcome, Outcome::Gap { expected: 0 });
+    let view = r.kv_view(0).unwrap().unwrap();
+    assert!(view.uses_events && view.ranks.len() == 1);
+    assert_eq!(apply(&mut r, 0, 1, vec![KvEvent::Cleared]), Outcome::Applied);
+    assert_eq!(hits(&r, 5), vec![0]);
+}
+
+#[test]
 fn ranks_without_a_source_are_bounded_and_sequences_wrap() {
     let mut r = router(1, 0);
     for rank in 0..super::view::MAX_RANKS as u32 {

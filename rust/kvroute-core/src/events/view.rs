@@ -120,8 +120,9 @@ impl EventView {
     /// Apply batch `seq` of `inst` (from its rank's PUB socket, or `replayed` from its replay
     /// socket). Batches apply in sequence order per rank; see [`Outcome`]. `source_rank`: the
     /// rank whose socket it came from; a batch naming another rank is refused
-    /// ([`Outcome::Foreign`]). Without it, the batch's own rank is taken, and a rank beyond
-    /// the first [`MAX_RANKS`] of an instance is an error.
+    /// ([`Outcome::Foreign`]). Without it, the batch's own rank is taken: a rank not seen
+    /// before starts at sequence 0 (a later batch of it is a gap, and makes no view), and a
+    /// rank beyond the first [`MAX_RANKS`] of an instance is an error.
     pub fn apply(
         &mut self,
         inst: usize,
@@ -134,6 +135,10 @@ impl EventView {
         let block_size = self.block_size;
         let rank = source_rank.unwrap_or(batch.rank);
         let Self { index, engines, pending, .. } = self;
+        let known = engines[inst].iter().any(|r| r.report.rank == rank);
+        if source_rank.is_none() && !known && seq != 0 {
+            return Ok(Applied { outcome: Outcome::Gap { expected: 0 }, reset: false, degraded: false });
+        }
         let view = rank_view(&mut engines[inst], rank, self.capacities[inst])?;
         let resets = view.report.resets;
         let outcome = match view.check(seq, replayed, inst, index) {
