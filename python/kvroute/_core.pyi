@@ -47,6 +47,12 @@ TokenIds: TypeAlias = (
     | npt.NDArray[np.uint64]
 )
 
+class EngineReport(TypedDict):
+    running: int
+    waiting: int
+    kv_usage: float
+    sent_since: int
+
 class InstanceState(TypedDict):
     num_requests: int
     ongoing_tokens: int
@@ -55,6 +61,8 @@ class InstanceState(TypedDict):
     cached_blocks: int
     available: bool
     cache_view: Literal["estimate", "events", "degraded"]
+    engine: EngineReport | None
+    overloaded: bool
 
 class RouteInfo(TypedDict):
     instance: int
@@ -168,6 +176,13 @@ class Router:
         view: Literal["routing", "estimate", "events"] = "routing",
     ) -> list[int]: ...
     def state(self) -> list[InstanceState]: ...
+    def set_engine_load(
+        self, instance: int, running: int, waiting: int, kv_usage: float
+    ) -> None: ...
+    def clear_engine_load(self, instance: int) -> None: ...
+    def set_overload_rule(
+        self, waiting: int | None = None, kv_usage: float | None = None
+    ) -> None: ...
     def set_available(self, instance: int, flag: bool) -> None: ...
     def add_instance(self) -> int: ...
     def session_affinity(self, session_id: RequestId) -> int | None: ...

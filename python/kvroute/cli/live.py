@@ -98,6 +98,27 @@ def _ready(what: str) -> Any:
 @click.option("--max-concurrency", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option("--retries", default=2, show_default=True, type=click.IntRange(min=0))
 @click.option("--health-interval", default=2.0, show_default=True, type=FINITE)
+@click.option(
+    "--load-interval",
+    default=2.0,
+    show_default=True,
+    type=Finite(min=0, min_open=True),
+    help="Seconds between reads of each engine's own load (its /metrics).",
+)
+@click.option(
+    "--overload-waiting",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Leave out an engine with this many requests waiting (reported, plus sent since) "
+    "while another has fewer [default: off].",
+)
+@click.option(
+    "--overload-kv-usage",
+    default=None,
+    type=Finite(0, 1),
+    help="Leave out an engine whose KV-cache usage (0 to 1) reaches this while another's is "
+    "under [default: off].",
+)
 @click.option("--unhealthy-after", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--healthy-after", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -182,6 +203,9 @@ def proxy(**kw: Any) -> None:
             max_concurrency=kw["max_concurrency"],
             retries=kw["retries"],
             health_interval_s=kw["health_interval"],
+            load_interval_s=kw["load_interval"],
+            overload_waiting=kw["overload_waiting"],
+            overload_kv_usage=kw["overload_kv_usage"],
             unhealthy_after=kw["unhealthy_after"],
             healthy_after=kw["healthy_after"],
             admin_token=kw["admin_token"] or None,

@@ -39,6 +39,7 @@ from kvroute.proxy.caches import EngineCaches
 from kvroute.proxy.config import ProxyConfig
 from kvroute.proxy.engines import EngineEndpoints
 from kvroute.proxy.keys import Keyer
+from kvroute.proxy.load import EngineLoads
 from kvroute.proxy.observe import proxy_registry
 from kvroute.proxy.relay import RelayHooks, listen
 from kvroute.proxy.serving import app_runner, http_url
@@ -65,7 +66,9 @@ class Proxy:
         self.router = kvroute.Router(
             len(config.backends), config.policy, **{**options, **config.policy_options()}
         )
+        self.router.set_overload_rule(config.overload_waiting, config.overload_kv_usage)
         self.pool = BackendPool(config, self.router)
+        self.loads = EngineLoads(self.pool, self.router, config.load_interval_s)
         self._relay: Any = None
         explicit = {
             url: [Source(0, e[0], e[1] if len(e) > 1 else None)]
@@ -79,6 +82,7 @@ class Proxy:
             self._urls,
             self._relay_stats,
             lambda: self.caches.subscriber,
+            self.loads,
         )
         self.engines = EngineEndpoints(self.pool, self.router)
         self.keyer = Keyer(config.tokenizer, config.block_size, self.engines.remote_tokenize)
@@ -181,6 +185,7 @@ class Proxy:
         tasks = [
             asyncio.create_task(self.pool.health_loop(self.session)),
             asyncio.create_task(self.caches.loop(self.session, c.health_interval_s)),
+            asyncio.create_task(self.loads.loop(self.session)),
         ]
         if self.config.decision_log:
             tasks.append(asyncio.create_task(self._flush_loop()))

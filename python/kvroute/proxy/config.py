@@ -66,6 +66,13 @@ class ProxyConfig:
     #: as long as no byte reached the client.
     retries: int = 2
     health_interval_s: float = 2.0
+    #: Seconds between reads of each engine's own load (its ``/metrics``).
+    load_interval_s: float = 2.0
+    #: Leave out an engine whose waiting requests (reported, plus those sent since) reach
+    #: this, or whose KV-cache usage (0 to 1) reaches ``overload_kv_usage``, while another is
+    #: under both (None: that signal unused).
+    overload_waiting: int | None = None
+    overload_kv_usage: float | None = None
     health_timeout_s: float = 2.0
     unhealthy_after: int = 3
     healthy_after: int = 2
@@ -104,9 +111,13 @@ class ProxyConfig:
             "header_read_timeout_s",
             "body_read_timeout_s",
         )
-        for name in (*timeouts, "health_interval_s"):
-            if getattr(self, name) <= 0:
+        for name in (*timeouts, "health_interval_s", "load_interval_s"):
+            if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be positive")
+        if self.overload_waiting is not None and self.overload_waiting < 1:
+            raise InvalidArgumentError("overload_waiting must be at least 1")
+        if self.overload_kv_usage is not None and not 0 <= self.overload_kv_usage <= 1:
+            raise InvalidArgumentError("overload_kv_usage must be in [0, 1]")
         if self.retries < 0:
             raise InvalidArgumentError("retries must be at least 0")
         if self.kv_events not in ("auto", "off"):

@@ -20,7 +20,10 @@ Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL without credenti
   ``kv_replays_total``, ``kv_replay_failures_total``, ``kv_resets_total``,
   ``kv_decode_errors_total``, and the gauges ``kv_degraded``, ``kv_last_seq``,
   ``kv_lag_seconds`` (the engine's batch timestamp to its application); per ``{backend}``:
-  ``kv_uses_events``, ``kv_blocks_indexed``, ``kv_blocks_pending``; and ``kv_index_bytes``.
+  ``kv_uses_events``, ``kv_blocks_indexed``, ``kv_blocks_pending``; and ``kv_index_bytes``;
+* the engines' own load (:class:`~kvroute.proxy.load.EngineLoadCollector`): per ``{backend}``
+  ``engine_running``, ``engine_waiting``, ``engine_kv_usage``, their throughput, the requests
+  sent since the read and its age, ``overloaded`` and ``engine_load_failures_total``.
 
 The counters are the relay's (``kvroute._core.Relay.stats``), read at scrape time by
 :class:`RelayCollector`; the gauges are the router's. O(backends) per scrape; the collectors
@@ -42,6 +45,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 import kvroute
+from kvroute.proxy.load import EngineLoadCollector, EngineLoads
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -242,12 +246,15 @@ def proxy_registry(
     urls: Callable[[], list[str]],
     stats: Callable[[], dict[str, Any] | None],
     subscriber: Callable[[], Any] = lambda: None,
+    loads: EngineLoads | None = None,
 ) -> CollectorRegistry:
     """The proxy's registry: the router's gauges, the relay's counters (``stats``: the
-    relay's, None before it starts) and the events view's (``subscriber``: the KV-event
-    subscriber, None before it starts)."""
+    relay's, None before it starts), the events view's (``subscriber``: the KV-event
+    subscriber, None before it starts) and the engines' own load (``loads``)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_RouterCollector(router, urls))
     registry.register(RelayCollector(policy, stats, urls))
     registry.register(KvEventsCollector(router, urls, subscriber))
+    if loads is not None:
+        registry.register(EngineLoadCollector(loads, urls))
     return registry

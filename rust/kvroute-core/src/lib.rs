@@ -40,4 +40,6 @@ pub mod text;
 pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};
 pub use policy::{Policy, PolicyParams};
-pub use router::{CacheRule, CacheView, Decision, Id, InstanceState, Router, RouterConfig};
+pub use router::{
+    CacheRule, CacheView, Decision, EngineLoad, Id, InstanceState, OverloadRule, Router, RouterConfig,
+};

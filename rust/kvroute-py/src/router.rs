@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvroute_core::router::MAX_INSTANCES;
-use kvroute_core::{CacheRule, CacheView, Policy, PolicyParams, Router, RouterConfig};
+use kvroute_core::{CacheRule, CacheView, OverloadRule, Policy, PolicyParams, Router, RouterConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -177,7 +177,8 @@ impl PyRouter {
     }
 
     /// One dict per instance: num_requests, ongoing_tokens, pending_prefill_tokens,
-    /// ongoing_decode_tokens, cached_blocks, available, cache_view.
+    /// ongoing_decode_tokens, cached_blocks, available, cache_view, engine (its last report:
+    /// running, waiting, kv_usage, sent_since; None without one), overloaded.
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let snapshot = self.lock().state();
         snapshot
@@ -191,9 +192,59 @@ impl PyRouter {
                 d.set_item("cached_blocks", s.cached_blocks)?;
                 d.set_item("available", s.load.available)?;
                 d.set_item("cache_view", s.cache_view)?;
+                let engine = s.engine.map(|e| -> PyResult<_> {
+                    let r = PyDict::new(py);
+                    r.set_item("running", e.running)?;
+                    r.set_item("waiting", e.waiting)?;
+                    r.set_item("kv_usage", e.kv_usage)?;
+                    r.set_item("sent_since", e.sent_since)?;
+                    Ok(r)
+                });
+                d.set_item("engine", engine.transpose()?)?;
+                d.set_item("overloaded", s.overloaded)?;
                 Ok(d)
             })
             .collect()
+    }
+
+    /// An instance's engine reports `running` and `waiting` requests and a KV-cache usage
+    /// `kv_usage` (0 to 1) now; the overload rule reads it (with the requests sent since).
+    fn set_engine_load(
+        &self,
+        instance: &Bound<'_, PyAny>,
+        running: IntArg,
+        waiting: IntArg,
+        kv_usage: RealArg,
+    ) -> PyResult<()> {
+        let py = instance.py();
+        let inst = self.instance(instance)?;
+        let running = running.get(py, "running", 0, u64::MAX.into())?;
+        let waiting = waiting.get(py, "waiting", 0, u64::MAX.into())?;
+        let kv_usage = kv_usage.get(py, "kv_usage", 0.0)?;
+        self.lock().set_engine_load(inst as i64, running, waiting, kv_usage).map_err(|e| to_py(py, e))
+    }
+
+    /// An instance's report is gone (a read failed or went stale).
+    fn clear_engine_load(&self, instance: &Bound<'_, PyAny>) -> PyResult<()> {
+        let inst = self.instance(instance)?;
+        self.lock().clear_engine_load(inst as i64).map_err(|e| to_py(instance.py(), e))
+    }
+
+    /// Leave out of decisions an engine whose waiting requests (reported, plus those sent
+    /// since) reach `waiting`, or whose KV usage reaches `kv_usage`, while another is under
+    /// both (None: that signal unused; both None: off).
+    #[pyo3(signature = (waiting = None, kv_usage = None))]
+    fn set_overload_rule(
+        &self,
+        py: Python<'_>,
+        waiting: Option<IntArg>,
+        kv_usage: Option<RealArg>,
+    ) -> PyResult<()> {
+        let rule = OverloadRule {
+            waiting: waiting.map(|w| w.get(py, "waiting", 1, u64::MAX.into())).transpose()?,
+            kv_usage: kv_usage.map(|k| k.get(py, "kv_usage", 0.0)).transpose()?,
+        };
+        self.lock().set_overload_rule(rule).map_err(|e| to_py(py, e))
     }
 
     /// Mark an instance up (True) or down (False).

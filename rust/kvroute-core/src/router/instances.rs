@@ -20,6 +20,8 @@ impl Router {
                     _ => cache.cached_blocks(i),
                 },
                 cache_view: self.events.as_ref().map_or("estimate", |e| e.source(i)),
+                engine: self.engine.get(i),
+                overloaded: self.engine.overloaded(i),
             })
             .collect()
     }
@@ -56,6 +58,7 @@ impl Router {
         }
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
         self.available_totals.1 += 1;
+        self.engine.add_instance();
         if let Some(e) = &mut self.events {
             e.add_instance();
         }

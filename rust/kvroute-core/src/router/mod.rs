@@ -8,7 +8,8 @@
 //! synchronised: wrap it in a lock to share it between threads (the Python binding does).
 //!
 //! `config`: ids, the cache rule and view, [`RouterConfig`]; `instances`: availability and
-//! each instance's cache model; `kv_events`: the engines' KV-cache events view.
+//! each instance's cache model; `kv_events`: the engines' KV-cache events view;
+//! `engine_load`: the engines' own reports of their load, and overload.
 
 use std::sync::Arc;
 
@@ -26,12 +27,14 @@ use crate::rng::SplitMix64;
 use crate::sessions::Affinity;
 
 mod config;
+mod engine_load;
 mod instances;
 mod kv_events;
 
 pub use config::{
     CacheRule, CacheView, Id, RouterConfig, DEFAULT_PENDING_TTL, MAX_INPUT_LENGTH, MAX_INSTANCES,
 };
+pub use engine_load::{EngineLoad, OverloadRule};
 use kv_events::merge;
 
 /// The outcome of one `route`.
@@ -48,7 +51,7 @@ pub struct Decision {
 }
 
 /// Snapshot of one instance.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct InstanceState {
     /// The counters.
     pub load: InstanceLoad,
@@ -57,6 +60,10 @@ pub struct InstanceState {
     /// That view: `"estimate"`, `"events"`, or `"degraded"` (the events view is not whole:
     /// the estimate).
     pub cache_view: &'static str,
+    /// Its engine's last report of its own load, if any (`engine_load`).
+    pub engine: Option<EngineLoad>,
+    /// Whether the overload rule leaves it out while another is not overloaded.
+    pub overloaded: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -85,6 +92,8 @@ pub struct Router {
     /// Σ num_requests and the number of instances, over the available instances (kept up to
     /// date, so `unified`'s gate reads the average in O(1)).
     available_totals: (u64, u64),
+    /// The engines' own reports of their load, and the overload rule.
+    engine: engine_load::EngineLoads,
 }
 
 impl Router {
@@ -117,6 +126,7 @@ impl Router {
             event_matched: Vec::new(),
             merged: Vec::new(),
             available_totals: (0, num_instances as u64),
+            engine: engine_load::EngineLoads::new(num_instances),
             config,
         })
     }
@@ -141,8 +151,25 @@ impl Router {
         self.requests.len()
     }
 
-    /// Pick an instance for a request and count it there (semantics §2 step 1).
+    /// Pick an instance for a request and count it there (semantics §2 step 1), among the
+    /// available instances that are not overloaded while there are some (`engine_load`).
     pub fn route(
+        &mut self,
+        request: Id,
+        keys: &[u64],
+        input_length: u64,
+        session: Option<&Id>,
+    ) -> Result<Decision> {
+        let hidden = self.hide_overloaded();
+        let decision = self.route_among(request, keys, input_length, session);
+        self.restore(&hidden);
+        if let Ok(d) = &decision {
+            self.engine.sent_to(d.instance);
+        }
+        decision
+    }
+
+    fn route_among(
         &mut self,
         request: Id,
         keys: &[u64],

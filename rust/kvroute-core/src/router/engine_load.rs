@@ -1,0 +1,187 @@
+//! What each engine reports of its own load (its waiting and running requests and KV-cache
+//! usage, read from its metrics by the caller), and the overload rule built on it.
+//!
+//! Between two reads, the requests this router sent an engine since the last one count as
+//! waiting there too (as SMG credits its dispatches), so that a burst does not all land on the
+//! engine that looked idle. An engine is overloaded when that waiting count reaches the rule's
+//! `waiting`, or its KV usage its `kv_usage`; an overloaded engine is left out of a decision
+//! while an available one is not overloaded, and takes part when every one is (the policies'
+//! formulas are untouched: they choose among the engines left).
+//!
+//! O(1) per read and per route, plus O(instances) for a route while any engine is overloaded.
+//! Not synchronised, as the [`Router`].
+
+use super::Router;
+use crate::error::{Error, Result};
+
+/// When an engine counts as overloaded (`None`: that signal is not used).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OverloadRule {
+    /// Waiting requests (reported, plus those sent since the report) at or above which.
+    pub waiting: Option<u64>,
+    /// KV-cache usage (0 to 1) at or above which.
+    pub kv_usage: Option<f64>,
+}
+
+/// One engine's last report, as routing reads it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineLoad {
+    /// Requests running, as reported.
+    pub running: u64,
+    /// Requests waiting, as reported.
+    pub waiting: u64,
+    /// KV-cache usage, 0 to 1.
+    pub kv_usage: f64,
+    /// Requests this router sent the engine since the report.
+    pub sent_since: u64,
+}
+
+/// The reports and the rule (see the module doc).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EngineLoads {
+    /// Per instance: its last report and the requests sent it by then.
+    reports: Vec<Option<(EngineLoad, u64)>>,
+    /// Per instance: requests routed to it so far.
+    sent: Vec<u64>,
+    pub rule: OverloadRule,
+}
+
+impl EngineLoads {
+    pub fn new(instances: usize) -> Self {
+        Self { reports: vec![None; instances], sent: vec![0; instances], rule: OverloadRule::default() }
+    }
+
+    pub fn add_instance(&mut self) {
+        self.reports.push(None);
+        self.sent.push(0);
+    }
+
+    /// A request was routed to `i`.
+    pub fn sent_to(&mut self, i: usize) {
+        self.sent[i] += 1;
+    }
+
+    /// `i`'s last report, with the requests sent since.
+    pub fn get(&self, i: usize) -> Option<EngineLoad> {
+        let (load, at) = self.reports[i]?;
+        Some(EngineLoad { sent_since: self.sent[i] - at, ..load })
+    }
+
+    /// Whether `i` is overloaded by the rule (never without a report).
+    pub fn overloaded(&self, i: usize) -> bool {
+        let Some(load) = self.get(i) else { return false };
+        let waiting = load.waiting + load.sent_since;
+        self.rule.waiting.is_some_and(|w| waiting >= w)
+            || self.rule.kv_usage.is_some_and(|k| load.kv_usage >= k)
+    }
+}
+
+impl Router {
+    /// `instance`'s engine reports `running` and `waiting` requests and a KV-cache usage of
+    /// `kv_usage` (0 to 1) now.
+    pub fn set_engine_load(
+        &mut self,
+        instance: i64,
+        running: u64,
+        waiting: u64,
+        kv_usage: f64,
+    ) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        if !(0.0..=1.0).contains(&kv_usage) {
+            return Err(Error::InvalidArgument(format!("kv_usage must be in [0, 1], got {kv_usage}")));
+        }
+        let load = EngineLoad { running, waiting, kv_usage, sent_since: 0 };
+        self.engine.reports[i] = Some((load, self.engine.sent[i]));
+        Ok(())
+    }
+
+    /// `instance`'s report is gone (its read failed or went stale): routing reads only the
+    /// router's own counts for it, and it is never overloaded.
+    pub fn clear_engine_load(&mut self, instance: i64) -> Result<()> {
+        let i = self.check_instance(instance)?;
+        self.engine.reports[i] = None;
+        Ok(())
+    }
+
+    /// `instance`'s last report, with the requests sent it since.
+    pub fn engine_load(&self, instance: i64) -> Result<Option<EngineLoad>> {
+        Ok(self.engine.get(self.check_instance(instance)?))
+    }
+
+    /// Use `rule` from now on.
+    pub fn set_overload_rule(&mut self, rule: OverloadRule) -> Result<()> {
+        if rule.kv_usage.is_some_and(|k| !(0.0..=1.0).contains(&k)) || rule.waiting == Some(0) {
+            return Err(Error::InvalidArgument(format!(
+                "an overload rule needs waiting >= 1 and kv_usage in [0, 1], got {rule:?}"
+            )));
+        }
+        self.engine.rule = rule;
+        Ok(())
+    }
+
+    /// Whether `instance` is overloaded now (see the module doc).
+    pub fn is_overloaded(&self, instance: usize) -> bool {
+        instance < self.loads.len() && self.engine.overloaded(instance)
+    }
+
+    /// Leave out of the next decision the available instances that are overloaded, while
+    /// one available is not; the ones left out, to [`Router::restore`] after it.
+    pub(super) fn hide_overloaded(&mut self) -> Vec<usize> {
+        let n = self.loads.len();
+        if self.engine.rule == OverloadRule::default() {
+            return Vec::new();
+        }
+        let over: Vec<usize> =
+            (0..n).filter(|&i| self.loads[i].available && self.engine.overloaded(i)).collect();
+        let available = self.loads.iter().filter(|l| l.available).count();
+        if over.is_empty() || over.len() == available {
+            return Vec::new();
+        }
+        for &i in &over {
+            self.set_available(i as i64, false).expect("an instance of the router");
+        }
+        over
+    }
+
+    /// Put back what [`Router::hide_overloaded`] left out.
+    pub(super) fn restore(&mut self, hidden: &[usize]) {
+        for &i in hidden {
+            self.set_available(i as i64, true).expect("an instance of the router");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::OverloadRule;
+    use crate::{Id, Policy, Router, RouterConfig};
+
+    #[test]
+    fn an_overloaded_engine_is_left_out_while_another_is_not() {
+        let mut r = Router::new(2, Policy::RoundRobin, RouterConfig::default()).unwrap();
+        r.set_overload_rule(OverloadRule { waiting: Some(3), kv_usage: Some(0.9) }).unwrap();
+        r.set_engine_load(0, 4, 3, 0.5).unwrap(); // waiting at the threshold
+        let mut picks = Vec::new();
+        for n in 0..4 {
+            picks.push(r.route(Id::Int(n), &[], 10, None).unwrap().instance);
+        }
+        assert_eq!(picks, vec![1, 1, 1, 1]);
+        assert!(r.is_available(0), "hidden for the decisions only");
+        // Instance 1 reports a full KV cache: both over, both take part again.
+        r.set_engine_load(1, 9, 0, 0.95).unwrap();
+        let both: Vec<usize> = (4..8).map(|n| r.route(Id::Int(n), &[], 10, None).unwrap().instance).collect();
+        assert!(both.contains(&0) && both.contains(&1), "{both:?}");
+        // Requests sent since a report count as waiting: 2 waiting + 1 sent reaches 3.
+        r.set_engine_load(0, 0, 2, 0.1).unwrap();
+        r.clear_engine_load(1).unwrap();
+        assert!(!r.is_overloaded(0));
+        let mut n = 8;
+        while r.route(Id::Int(n), &[], 10, None).unwrap().instance != 0 {
+            n += 1;
+        }
+        assert_eq!(r.engine_load(0).unwrap().unwrap().sent_since, 1);
+        assert!(r.is_overloaded(0));
+        assert!(r.set_engine_load(0, 0, 0, 1.5).is_err());
+        assert!(r.set_overload_rule(OverloadRule { waiting: Some(0), kv_usage: None }).is_err());
+    }
+}
