@@ -641,3 +641,17 @@ def test_huge_input_lengths_never_corrupt_the_counters(policy: str) -> None:
     for i in routed:
         assert r.finish(i)
     assert counters(r) == [(0, 0, 0, 0)]
+
+
+def test_shared_affinity_is_the_same_in_every_router() -> None:
+    """``affinity="shared"``: a session's instance comes from what routers share (here, with
+    nothing cached, a hash of the session), not from each router's own history."""
+    a = kvroute.Router(3, "sticky", affinity="shared")
+    b = kvroute.Router(3, "sticky", affinity="shared")
+    for n in range(5):
+        b.route(f"other{n}", [], 100)  # b's own counts differ
+    chosen = [a.route(f"a{n}", [], 5, session_id=f"s{n}") for n in range(20)]
+    assert chosen == [b.route(f"b{n}", [], 5, session_id=f"s{n}") for n in range(20)]
+    assert set(chosen) == {0, 1, 2}
+    with pytest.raises(kvroute.InvalidArgumentError, match="affinity"):
+        kvroute.Router(3, affinity="gossip")  # type: ignore[arg-type]

@@ -151,6 +151,7 @@ class Router:
         temperature: float = 0.0,
         cache_view: Literal["estimate", "events"] = "estimate",
         pending_ttl_s: float = 10.0,
+        affinity: Literal["map", "shared"] = "map",
     ) -> Router: ...
     def route(
         self,

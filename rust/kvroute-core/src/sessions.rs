@@ -1,5 +1,6 @@
 //! Session affinity: each session's instance, optionally bounded to the `capacity` most
-//! recently routed sessions (least recently routed forgotten first).
+//! recently routed sessions (least recently routed forgotten first); or, shared by replicas,
+//! derived from where the request's prefix is cached ([`shared_affinity`], O(instances)).
 //!
 //! A map `session -> (instance, stamp)` and a queue of `(session, stamp)` in routing order;
 //! eviction pops the queue's front, skipping entries that a later route made stale, and the
@@ -9,7 +10,9 @@
 use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::picker::InstanceLoad;
 use crate::Id;
 
 /// Session → instance, with an optional LRU bound.
@@ -62,6 +65,19 @@ impl Affinity {
             self.order.retain(|(s, stamp)| map.get(s).is_some_and(|&(_, t)| t == *stamp));
         }
     }
+}
+
+/// The shared affinity of session `s` (see [`crate::RouterConfig::shared_affinity`]): the available
+/// instance with the most leading keys `matched`, ties and no match at all broken by the
+/// highest rendezvous hash of the session and the instance.
+pub fn shared_affinity(s: &Id, matched: &[u32], loads: &[InstanceLoad]) -> Option<usize> {
+    let seed = match s {
+        Id::Int(i) => xxh3_64_with_seed(&i.to_le_bytes(), 1),
+        Id::Str(text) => xxh3_64_with_seed(text.as_bytes(), 2),
+    };
+    (0..loads.len()).filter(|&i| loads[i].available).max_by_key(|&i| {
+        (matched.get(i).copied().unwrap_or(0), xxh3_64_with_seed(&(i as u64).to_le_bytes(), seed))
+    })
 }
 
 #[cfg(test)]

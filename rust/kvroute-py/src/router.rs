@@ -49,10 +49,10 @@ impl PyRouter {
         cache_rule = TextArg::of("trace"), max_sessions = None, overload_factor = RealArg::of(2.0), hit_ratio_gate = RealArg::of(0.5),
         seed = IntArg::of(0), cache_threshold = RealArg::of(0.5), balance_abs = IntArg::of(32),
         balance_rel = RealArg::of(1.1), overlap_weight = RealArg::of(1.0), temperature = RealArg::of(0.0),
-        cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0)),
+        cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map")),
         text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
         cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
-        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0)")]
+        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map')")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -72,6 +72,7 @@ impl PyRouter {
         temperature: RealArg,
         cache_view: TextArg,
         pending_ttl_s: RealArg,
+        affinity: TextArg,
     ) -> PyResult<Self> {
         let max_instances = MAX_INSTANCES as i128;
         let n: usize = num_instances.get(py, "num_instances", 0, max_instances)?;
@@ -94,6 +95,13 @@ impl PyRouter {
             },
             cache_view: CacheView::from_name(cache_view.get(py, "cache_view")?).map_err(|e| to_py(py, e))?,
             pending_ttl: Duration::from_secs_f64(pending_ttl_s.get(py, "pending_ttl_s", 0.0)?.min(1e9)),
+            shared_affinity: match affinity.get(py, "affinity")? {
+                "map" => false,
+                "shared" => true,
+                other => {
+                    return Err(invalid(py, format!("affinity must be 'map' or 'shared', got {other:?}")))
+                }
+            },
         };
         let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
         Ok(Self { inner: Arc::new(Mutex::new(router)) })

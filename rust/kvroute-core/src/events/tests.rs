@@ -243,3 +243,49 @@ fn memory_comes_back_after_a_clear() {
     let cleared = r.event_view().unwrap().memory_bytes();
     assert!(cleared < full / 20, "{cleared} of {full}");
 }
+
+#[test]
+fn replicas_with_shared_affinity_agree_on_sessions() {
+    let config = RouterConfig {
+        block_size: BS,
+        cache_rule: CacheRule::Vllm,
+        cache_view: CacheView::Events,
+        shared_affinity: true,
+        ..RouterConfig::default()
+    };
+    let mut replicas: Vec<Router> =
+        (0..2).map(|_| Router::new(3, Policy::Unified, config.clone()).unwrap()).collect();
+    for r in &mut replicas {
+        for i in 0..3 {
+            apply(r, i, 0, vec![]);
+        }
+    }
+    let t: Vec<u32> = (0..13).collect();
+    let session = Id::Str("s".into());
+    // Turn 1 through replica 0; its engine stores the prompt's blocks; both replicas see it.
+    let first = replicas[0].route(Id::Int(1), &block_hashes_u32(&t[..9], 4), 9, Some(&session)).unwrap();
+    replicas[0].finish(&Id::Int(1));
+    for r in &mut replicas {
+        apply(r, first.instance as i64, 1, vec![stored(&[1, 2], None, &t[..8])]);
+    }
+    // Turn 2 through replica 1, which never saw the session: where its prefix is.
+    let second = replicas[1].route(Id::Int(2), &block_hashes_u32(&t, 4), 13, Some(&session)).unwrap();
+    assert_eq!(second.instance, first.instance);
+    // With sticky (affinity without a gate), new sessions with nothing cached: the same
+    // instance from either replica, though their own counts differ, and spread.
+    let mut replicas: Vec<Router> =
+        (0..2).map(|_| Router::new(3, Policy::Sticky, config.clone()).unwrap()).collect();
+    for n in 0..4 {
+        replicas[1].route(Id::Int(100 + n), &[], 500, None).unwrap();
+    }
+    let mut chosen = Vec::new();
+    for n in 0..30 {
+        let keys = block_hashes_u32(&[90 + n, 91, 92, 93, 94], 4);
+        let new = Id::Int(1000 + i64::from(n));
+        let a = replicas[0].route(Id::Int(200 + i64::from(n)), &keys, 5, Some(&new)).unwrap().instance;
+        let b = replicas[1].route(Id::Int(200 + i64::from(n)), &keys, 5, Some(&new)).unwrap().instance;
+        assert_eq!(a, b, "session {n}");
+        chosen.push(a);
+    }
+    assert!((0..3).all(|i| chosen.contains(&i)), "{chosen:?}");
+}

@@ -134,6 +134,12 @@ pub struct RouterConfig {
     /// With the events view: how long a routed request's blocks count as held by the instance
     /// chosen before an event confirms them (zero: not at all).
     pub pending_ttl: Duration,
+    /// A session's affinity is derived from state replicas share instead of kept in this
+    /// router's map: the available instance holding the longest prefix of the request (ties,
+    /// and no prefix anywhere, by a rendezvous hash of the session over the available ones).
+    /// Routers that read the same events view then agree on it, whichever routed the turn
+    /// before.
+    pub shared_affinity: bool,
 }
 
 impl Default for RouterConfig {
@@ -147,6 +153,7 @@ impl Default for RouterConfig {
             params: PolicyParams::default(),
             cache_view: CacheView::Estimate,
             pending_ttl: DEFAULT_PENDING_TTL,
+            shared_affinity: false,
         }
     }
 }

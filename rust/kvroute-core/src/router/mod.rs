@@ -24,7 +24,7 @@ use crate::keys::hit_tokens;
 use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
 use crate::policy::Policy;
 use crate::rng::SplitMix64;
-use crate::sessions::Affinity;
+use crate::sessions::{shared_affinity, Affinity};
 
 mod config;
 mod engine_load;
@@ -184,13 +184,13 @@ impl Router {
                 "input_length must be at most 2**40 tokens, got {input_length}"
             )));
         }
-        let affinity = session.and_then(|s| self.affinity.get(s)).filter(|&a| self.loads[a].available);
+        let shared = self.config.shared_affinity && session.is_some() && self.uses_affinity();
         let (lookup, stored) =
             self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size);
         let cache = self.cache.lock();
         let events = self.events.as_ref();
         let on_events = |i: usize| events.is_some_and(|e| e.uses_events(i));
-        if self.policy.scores_cache() {
+        if self.policy.scores_cache() || shared {
             let every = events.is_some_and(|_| (0..self.loads.len()).all(on_events));
             if every {
                 self.walk.clear();
@@ -206,6 +206,11 @@ impl Router {
             self.merged.clear();
         }
         let matched: &[u32] = if events.is_some() { &self.merged } else { self.walk.matched() };
+        let affinity = match session {
+            Some(s) if shared => shared_affinity(s, matched, &self.loads),
+            Some(s) => self.affinity.get(s).filter(|&a| self.loads[a].available),
+            None => None,
+        };
         let input = PickInput {
             loads: &self.loads,
             matched,
@@ -250,7 +255,7 @@ impl Router {
             Some(e) => e.predict(instance, &keys[matched.min(stored)..stored]),
             None => self.cache.touch(instance, &keys[..stored], &mut self.walk),
         }
-        if let (Some(s), true) = (session, self.uses_affinity()) {
+        if let (Some(s), true) = (session, self.uses_affinity() && !self.config.shared_affinity) {
             self.affinity.set(s, instance);
         }
         self.requests
