@@ -162,6 +162,10 @@ class ReferenceRouter:
         self.max_sessions = max_sessions
         self.rr = 0
         self.rng = SplitMix64(seed)
+        # Engine reports: instance -> (running, waiting, kv_usage, requests sent by then).
+        self.reports: dict[int, tuple[int, int, float, int]] = {}
+        self.sent = [0] * num_instances
+        self.rule: tuple[int | None, float | None] = (None, None)
 
     # ---- §1: blocks and keys ------------------------------------------------------------
 
@@ -251,15 +255,55 @@ class ReferenceRouter:
                 "cached_blocks": len(inst.cache),
                 "available": inst.available,
                 "cache_view": "estimate",
+                "engine": self._report(i),
+                "overloaded": self._overloaded(i),
             }
-            for inst in self.instances
+            for i, inst in enumerate(self.instances)
         ]
+
+    # ---- engine reports and overload -----------------------------------------------------
+
+    def _report(self, i: int) -> dict[str, Any] | None:
+        if i not in self.reports:
+            return None
+        running, waiting, kv_usage, at = self.reports[i]
+        return {
+            "running": running,
+            "waiting": waiting,
+            "kv_usage": kv_usage,
+            "sent_since": self.sent[i] - at,
+        }
+
+    def _overloaded(self, i: int) -> bool:
+        report = self._report(i)
+        if report is None:
+            return False
+        waiting, kv_usage = self.rule
+        over_waiting = waiting is not None and report["waiting"] + report["sent_since"] >= waiting
+        return over_waiting or (kv_usage is not None and report["kv_usage"] >= kv_usage)
+
+    def set_engine_load(self, instance: int, running: int, waiting: int, kv_usage: float) -> None:
+        i = self._check_instance(instance)
+        if not 0 <= kv_usage <= 1:
+            raise InvalidArgumentError(f"kv_usage must be in [0, 1], got {kv_usage}")
+        self.reports[i] = (running, waiting, kv_usage, self.sent[i])
+
+    def clear_engine_load(self, instance: int) -> None:
+        self.reports.pop(self._check_instance(instance), None)
+
+    def set_overload_rule(self, waiting: int | None = None, kv_usage: float | None = None) -> None:
+        if waiting is not None and waiting < 1:
+            raise InvalidArgumentError("waiting must be an int >= 1")
+        if kv_usage is not None and not 0 <= kv_usage <= 1:
+            raise InvalidArgumentError("an overload rule needs kv_usage in [0, 1]")
+        self.rule = (waiting, kv_usage)
 
     def set_available(self, instance: int, flag: bool) -> None:
         self.instances[self._check_instance(instance)].available = bool(flag)
 
     def add_instance(self) -> int:
         self.instances.append(Instance())
+        self.sent.append(0)
         return len(self.instances) - 1
 
     @property
@@ -292,7 +336,19 @@ class ReferenceRouter:
         available = [i for i, inst in enumerate(self.instances) if inst.available]
         if not available:
             raise NoInstanceAvailableError("no instance is available to route to")
-        chosen, branch = self._pick(available, keys, input_length, session_id)
+        # Overloaded instances sit out (as if unavailable) while one available is not.
+        over = [i for i in available if self._overloaded(i)]
+        if len(over) == len(available):
+            over = []
+        for i in over:
+            self.instances[i].available = False
+        try:
+            available = [i for i in available if i not in over]
+            chosen, branch = self._pick(available, keys, input_length, session_id)
+        finally:
+            for i in over:
+                self.instances[i].available = True
+        self.sent[chosen] += 1
 
         # §2 step 1, against the cache *before* this request's blocks are added.
         inst = self.instances[chosen]

@@ -21,6 +21,7 @@ from kvroute import (
     UnknownPolicyError,
 )
 
+NO_REPORT = {"engine": None, "overloaded": False}
 ZERO = {
     "num_requests": 0,
     "ongoing_tokens": 0,
@@ -72,7 +73,13 @@ def test_policies_and_properties() -> None:
     assert kvroute.BUILD_PROFILE in ("debug", "release")
     st = r.state()
     assert len(st) == 3
-    assert st[0] == {**ZERO, "cached_blocks": 0, "available": True, "cache_view": "estimate"}
+    assert st[0] == {
+        **ZERO,
+        "cached_blocks": 0,
+        "available": True,
+        "cache_view": "estimate",
+        **NO_REPORT,
+    }
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -431,7 +438,13 @@ def test_add_instance() -> None:
     assert r.num_instances == 2
     assert r.route(1, [1], 4) == 0
     assert r.add_instance() == 2
-    assert r.state()[2] == {**ZERO, "cached_blocks": 0, "available": True, "cache_view": "estimate"}
+    assert r.state()[2] == {
+        **ZERO,
+        "cached_blocks": 0,
+        "available": True,
+        "cache_view": "estimate",
+        **NO_REPORT,
+    }
     assert r.route(2, [1], 4) == 1
     assert r.route(3, [1], 4) == 2
 

@@ -146,6 +146,7 @@ CASES: dict[str, Case] = {
             "temperature": 0.0,
             "cache_view": "events",
             "pending_ttl_s": 1.0,
+            "affinity": "shared",
         },
     ),
     "route": Case(

@@ -67,7 +67,7 @@ OPS = st.sampled_from(
     ["route"] * 6
     + ["first_token"] * 2
     + ["finish"] * 2
-    + ["avail", "add", "est", "extend", "clear"]
+    + ["avail", "add", "est", "extend", "clear", "load", "unload", "rule"]
 )
 BASES = st.lists(st.lists(U64, min_size=1, max_size=10), min_size=1, max_size=3)
 
@@ -115,6 +115,14 @@ def scenario(draw: st.DrawFn, policy: str) -> dict[str, Any]:
             ops.append((op, target, *draw(req)))
         elif op == "clear":
             ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1))))
+        elif op == "load":
+            inst, running, waiting = (draw(st.integers(0, 99)) for _ in range(3))
+            ops.append((op, inst, running % 4, waiting % 5, draw(st.sampled_from([0.0, 0.5, 1.0]))))
+        elif op == "unload":
+            ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1))))
+        elif op == "rule":
+            waiting = draw(st.sampled_from([None, 1, 2, 3]))
+            ops.append((op, waiting, draw(st.sampled_from([None, 0.5, 0.9]))))
         else:
             ops.append((op, *draw(req)))
     return {"n": n, "kw": kw, "ops": ops, "end_seed": draw(st.integers(0, 2**32))}
@@ -201,6 +209,20 @@ def run_step(rust: kvroute.Router, ref: ReferenceRouter, op: tuple[Any, ...]) ->
     elif kind == "clear":
         inst = op[1] % ref.num_instances
         call_both(lambda: rust.clear_cache(inst), lambda: ref.clear_cache(inst))
+    elif kind == "load":
+        inst, running, waiting, usage = op[1] % ref.num_instances, *op[2:]
+        call_both(
+            lambda: rust.set_engine_load(inst, running, waiting, usage),
+            lambda: ref.set_engine_load(inst, running, waiting, usage),
+        )
+    elif kind == "unload":
+        inst = op[1] % ref.num_instances
+        call_both(lambda: rust.clear_engine_load(inst), lambda: ref.clear_engine_load(inst))
+    elif kind == "rule":
+        call_both(
+            lambda: rust.set_overload_rule(op[1], op[2]),
+            lambda: ref.set_overload_rule(op[1], op[2]),
+        )
     else:
         _, keys, length, form = op
         hash_ids = hash_ids_in(form, keys)
@@ -295,6 +317,10 @@ def test_reference_has_the_router_api() -> None:
         "kv_view",
         "kv_memory_bytes",
         "cache_view",
+        # Engine reports and overload (tests/test_engine_load.py).
+        "set_engine_load",
+        "clear_engine_load",
+        "set_overload_rule",
     }
     ref = ReferenceRouter(2, "lmetric", block_size=16)
     # The events view has its own reference (tests/reference_kv.py, tests/test_kv_index.py).
