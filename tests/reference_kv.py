@@ -47,6 +47,8 @@ class ReferenceEventView:
     def apply(
         self, inst: int, seq: int, events: list[dict[str, Any]], rank: int, replayed: bool
     ) -> str:
+        if rank not in self.ranks[inst] and seq != 0:
+            return "gap"  # a rank not seen before starts at sequence 0: no view before it
         r = self.ranks[inst].setdefault(rank, Rank())
         if r.next_seq is not None:
             if seq > r.next_seq:
