@@ -121,9 +121,9 @@ def test_config_checks() -> None:
 
 
 def test_default_policy_and_its_options() -> None:
-    """The proxy routes with dynamo_cost, prefill weighed 8, unless told otherwise."""
+    """The proxy routes with unified_dynamo, prefill weighed 8, unless told otherwise."""
     config = ProxyConfig(backends=["127.0.0.1:9"])
-    assert Proxy(config).router.policy == "dynamo_cost" == config.policy
+    assert Proxy(config).router.policy == "unified_dynamo" == config.policy
     assert config.policy_options() == {"overlap_weight": 8.0}
     mine = ProxyConfig(router_options={"overlap_weight": 2.0, "block_size": 16})
     assert mine.policy_options() == {"overlap_weight": 2.0, "block_size": 16}

@@ -56,7 +56,7 @@ def test_the_proxy_command_says_what_it_chose() -> None:
     assert "kvroute proxy: block size 32 (vllm:cache_config_info of 1 of 1 backend(s))" in (
         done.output
     ), done.output
-    assert "kvroute proxy: policy dynamo_cost (overlap_weight=8.0)" in done.output
+    assert "kvroute proxy: policy unified_dynamo (overlap_weight=8.0)" in done.output
 
 
 def test_the_served_model_folder_is_found_here(

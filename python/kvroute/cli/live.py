@@ -46,7 +46,8 @@ def _ready(what: str) -> Any:
     type=click.Choice(kvroute.policies()),
     default=DEFAULT_POLICY,
     show_default=True,
-    help="Routing policy (dynamo_cost: with overlap_weight=8 unless --router-option says).",
+    help="Routing policy (unified_dynamo and dynamo_cost: with overlap_weight=8 unless "
+    "--router-option says).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))

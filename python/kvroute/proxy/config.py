@@ -27,11 +27,13 @@ def normalize_url(url: str) -> str:
     return url
 
 
-#: The policy a proxy routes with unless told (``docs/proxy.md``, "Which policy"): Dynamo's
-#: cost, which weighs the blocks a request would prefill on an engine against the blocks the
-#: engine is already serving, so a prefix follows its cache whether or not it has a session,
-#: and new work goes where the load is lightest.
-DEFAULT_POLICY = "dynamo_cost"
+#: The policy a proxy routes with unless told (``docs/proxy.md``, "Which policy"): a session's
+#: next turn goes where its last one went while that engine holds most of its prompt and is
+#: not overloaded (``unified``'s gate); everything else by Dynamo's cost, which weighs the
+#: blocks a request would prefill on an engine against the blocks the engine is already
+#: serving, so a prefix follows its cache whether or not it has a session, and new work goes
+#: where the load is lightest.
+DEFAULT_POLICY = "unified_dynamo"
 #: Router options the proxy sets for a policy unless ``router_options`` gives them: a block
 #: to prefill weighs 8 blocks in flight (Dynamo's own default, 1, lets an agent's long context
 #: move to whichever engine holds fewer tokens, and prefill it again there).
