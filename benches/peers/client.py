@@ -1,6 +1,7 @@
-"""The peers benchmark's client: sends a workload's sessions through a router, ``concurrency``
-sessions at a time (a session's requests one after another, each sent when the one before
-it finished), and times each request on the monotonic clock: its first token (the first
+"""The peers benchmark's client: sends a workload's sessions through a router (or through
+router replicas, each request to the next one in turn), ``concurrency`` sessions at a time (a
+session's requests one after another, each sent when the one before it finished), and times
+each request on the monotonic clock: its first token (the first
 streamed chunk with a choice, as ``kvroute replay`` times it) and its end. One asyncio loop,
 one connection pool; O(requests).
 """
@@ -70,12 +71,13 @@ async def _one(
 
 
 async def _run(
-    url: str, workload: Workload, model: str, concurrency: int, sessions: bool
+    urls: list[str], workload: Workload, model: str, concurrency: int, sessions: bool
 ) -> tuple[list[Result], float]:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(workload.sessions)):
         queue.put_nowait(i)
     results: list[Result] = []
+    sent = [0]
     conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=conn) as http:
 
@@ -84,6 +86,8 @@ async def _run(
                 i = queue.get_nowait()
                 sid = workload.session_ids[i] if sessions else None
                 for req in workload.sessions[i]:
+                    url = urls[sent[0] % len(urls)]  # per request, in turn: a round robin
+                    sent[0] += 1
                     results.append(await _one(http, url, req, model, i, sid))
 
         start = time.monotonic()
@@ -93,8 +97,14 @@ async def _run(
 
 
 def run(
-    url: str, workload: Workload, model: str, concurrency: int, sessions: bool = True
+    url: str | list[str],
+    workload: Workload,
+    model: str,
+    concurrency: int,
+    sessions: bool = True,
 ) -> tuple[list[Result], float]:
-    """Send ``workload`` through ``url``; the results and the wall-clock seconds it took.
-    ``sessions``: send each session's id in the session header."""
-    return asyncio.run(_run(url, workload, model, concurrency, sessions))
+    """Send ``workload`` through ``url`` (several: each request to the next in turn, as a
+    load balancer that knows nothing of sessions would); the results and the wall-clock
+    seconds it took. ``sessions``: send each session's id in the session header."""
+    urls = [url] if isinstance(url, str) else list(url)
+    return asyncio.run(_run(urls, workload, model, concurrency, sessions))

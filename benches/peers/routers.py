@@ -57,6 +57,9 @@ class Arm:
     argv: Argv
     #: Whether the benchmark sends this arm the session header (the router reads it).
     sessions: bool = True
+    #: Router processes started alike, each request sent to the next in turn (replicas behind
+    #: a load balancer that knows nothing of sessions).
+    replicas: int = 1
 
 
 def _kvroute(*extra: str) -> Argv:
@@ -139,6 +142,34 @@ ARMS: dict[str, Arm] = {
             ),
         ),
         Arm("round-robin", "kvroute", _kvroute("--policy", "round_robin"), sessions=False),
+        # Two replicas of a router behind a per-request round robin.
+        Arm("kvroute-default-x2", "kvroute", _kvroute(), replicas=2),
+        Arm(
+            "kvroute-shared-x2",
+            "kvroute",
+            _kvroute("--router-option", "affinity=shared"),
+            replicas=2,
+        ),
+        Arm(
+            "smg-cache-aware-sticky-x2",
+            "smg",
+            _smg(
+                "--policy",
+                "cache_aware",
+                "--sticky-sessions",
+                "--routing-key-headers",
+                SESSION_HEADER,
+            ),
+            replicas=2,
+        ),
+        Arm(
+            "vllm-router-kv-aware-x2",
+            "vllm-router",
+            _vllm_router(
+                "--policy", "kv_aware", "--kv-aware-session-affinity-ttl-secs", "600", events=True
+            ),
+            replicas=2,
+        ),
     )
 }
 

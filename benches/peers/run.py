@@ -20,6 +20,7 @@ range. ``make bench-peers`` runs it with the defaults; the results are in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -102,12 +103,18 @@ def measure_arm(
         res, _ = client.run(url, workloads.Workload("probe", [[probe]], [None]), fleet.model, 1)
         return res[0].ok
 
-    with routers.start(arm, fleet, (port, metrics), log_dir, peers_bin, ready) as router:
+    with contextlib.ExitStack() as stack:
+        started = []
+        for n in range(arm.replicas):  # a replica's ports are drawn once the one before runs
+            ports = (port, metrics) if n == 0 else tuple(engines.realvllm.free_ports(2))
+            router = routers.start(arm, fleet, ports, log_dir, peers_bin, ready)  # type: ignore[arg-type]
+            started.append(stack.enter_context(router))
         engines.reset(urls)
         before = [engines.counters(u) for u in urls]
-        cpu0 = router.cpu_seconds()
-        results, wall = client.run(router.url, work, fleet.model, concurrency, arm.sessions)
-        cpu1 = router.cpu_seconds()
+        cpu0 = sum(r.cpu_seconds() for r in started)
+        router_urls = [r.url for r in started]
+        results, wall = client.run(router_urls, work, fleet.model, concurrency, arm.sessions)
+        cpu1 = sum(r.cpu_seconds() for r in started)
         time.sleep(0.5)  # the engines' last counters
         after = [engines.counters(u) for u in urls]
     pairs = list(zip(after, before, strict=True))
