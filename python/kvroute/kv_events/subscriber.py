@@ -1,26 +1,4 @@
-"""Subscribing to engines' KV-cache events and feeding them to a :class:`kvroute.Router`.
-
-vLLM publishes each data-parallel rank's events on a ZMQ PUB socket as messages of three
-frames, ``[topic, seq (8 bytes, big-endian), msgpack batch]``, and can keep the last batches
-for a ROUTER *replay* socket. :class:`Subscriber` holds one SUB socket per (instance, rank)
-on one thread and applies every batch, in order, with :meth:`kvroute.Router.apply_kv_events`
-(decoded in the Rust core), telling it the rank of the socket (a batch that names another
-rank is refused and counted). When a batch's sequence number skips ahead, the missing
-batches are asked from the replay socket (a DEALER sends the first missing number, the
-ROUTER sends back every buffered batch from it and an end marker with sequence -1) on a
-thread of their own, within :data:`REPLAY_DEADLINE_S`; meanwhile that rank's live batches
-wait (at most :data:`MAX_WAITING_BYTES`) and every other rank's are applied. When the
-missing batches cannot be had (no replay socket, the replay starts too late, times out, or
-too much waits), the rank's view is marked degraded (:meth:`~kvroute.Router.kv_resync`) and
-the router routes that instance on its estimate until the view is whole again
-(``docs/kv-events.md``). A batch that cannot be decoded is a gap of one batch. Nothing is
-dropped without a count.
-
-Bounds (``docs/kv-events.md``, "Trust"): a message is at most :data:`MAX_MESSAGE_BYTES`
-(ZMQ drops a larger one, and the connection: a gap), and at most :data:`RECEIVE_QUEUE`
-messages wait in ZMQ per socket (beyond, the publisher drops them: a gap).
-
-:func:`event_sources` turns an engine's ``GET /kv_event_sources`` answer into sources.
+"""The subscriber of a router to its engines' KV events (the package doc says how it works).
 
 Thread-safety: the public methods may be called from any thread; every live socket lives on
 the subscriber's thread (commands reach it through a queue), each replay's DEALER on its own
@@ -36,80 +14,32 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 import kvroute
 from kvroute.errors import InvalidArgumentError, KvrouteError
+from kvroute.kv_events.replay import (
+    MAX_WAITING_BYTES,
+    REPLAY_DEADLINE_S,
+    REPLAY_TIMEOUT_S,
+    Replay,
+    ask_replay,
+)
+from kvroute.kv_events.sources import Source
 
 if TYPE_CHECKING:
     from kvroute._core import KvApplied
 
 log = logging.getLogger("kvroute.kv_events")
 
-#: The replay socket's end-of-replay sequence number.
-END_OF_REPLAY = -1
-#: Hosts in an endpoint that mean "every interface" (the engine binds; connect to its host).
-WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
-#: Longest wait for a replay's next message, in seconds.
-REPLAY_TIMEOUT_S = 2.0
-#: Longest a whole replay may take, in seconds.
-REPLAY_DEADLINE_S = 10.0
 #: Largest message taken from a publisher (a vLLM batch is well under 1 MiB).
 MAX_MESSAGE_BYTES = 16 << 20
 #: Messages ZMQ keeps waiting per socket.
 RECEIVE_QUEUE = 64
-#: Bytes of one rank's live batches kept while its replay runs, and of a replay's batches.
-MAX_WAITING_BYTES = 64 << 20
 #: How often a source's decode errors are logged at most, in seconds.
 LOG_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one rank of one engine publishes."""
-
-    rank: int
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
-    #: The engine connects to ``endpoint`` (a concrete host): the subscriber binds it.
-    bind: bool = False
-
-
-def _with_host(endpoint: str, host: str) -> tuple[str, bool]:
-    """``endpoint`` with a wildcard host replaced by ``host``; and whether to bind it."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint, False  # ipc:// and inproc://: the engine binds, on this machine
-    where = endpoint[len("tcp://") :]
-    at, _, port = where.rpartition(":")
-    if not port.isdigit():
-        raise InvalidArgumentError(f"KV-events endpoint {endpoint!r} has no port")
-    if at in WILDCARDS:
-        name = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return f"tcp://{name}:{port}", False
-    return endpoint, True
-
-
-def event_sources(answer: Any, backend_url: str) -> list[Source]:
-    """The sources in an engine's ``GET /kv_event_sources`` answer (``{rank: config}``);
-    wildcard hosts are the backend's. Ranks whose events are off are left out."""
-    if not isinstance(answer, dict):
-        raise InvalidArgumentError(f"/kv_event_sources of {backend_url} is not an object")
-    host = urlsplit(backend_url).hostname or "127.0.0.1"
-    out = []
-    for rank, config in sorted(answer.items(), key=lambda kv: int(kv[0])):
-        if not isinstance(config, dict) or not config.get("enable_kv_cache_events", True):
-            continue
-        if config.get("publisher", "zmq") != "zmq" or not config.get("endpoint"):
-            continue
-        endpoint, bind = _with_host(str(config["endpoint"]), host)
-        replay = config.get("replay_endpoint")
-        replay = _with_host(str(replay), host)[0] if replay else None
-        out.append(Source(int(rank), endpoint, replay, str(config.get("topic") or ""), bind))
-    return out
 
 
 @dataclass
@@ -128,20 +58,6 @@ class SourceStats:
 
 
 @dataclass
-class _Replay:
-    """A replay in flight: batches ``start..stop-1`` asked on a thread of its own; the
-    rank's live batches from ``stop`` on wait in ``waiting`` (``waiting_bytes`` of them)."""
-
-    start: int
-    stop: int
-    waiting: list[tuple[int, bytes]] = field(default_factory=list)
-    waiting_bytes: int = 0
-    #: Set by the replay's thread: the batches it got, and why it failed (None: it did not).
-    batches: list[tuple[int, bytes]] = field(default_factory=list)
-    failure: str | None = None
-
-
-@dataclass
 class _Sub:
     instance: int
     source: Source
@@ -151,7 +67,7 @@ class _Sub:
     stats: SourceStats = field(default_factory=SourceStats)
     drop: int = 0
     logged_at: float = 0.0
-    replay: _Replay | None = None
+    replay: Replay | None = None
 
 
 class Subscriber:
@@ -176,7 +92,7 @@ class Subscriber:
         self._ctx = zmq.Context()
         self._commands: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
         #: Replays whose thread is done, for the subscriber's thread to apply.
-        self._replayed: queue.SimpleQueue[tuple[_Sub, _Replay]] = queue.SimpleQueue()
+        self._replayed: queue.SimpleQueue[tuple[_Sub, Replay]] = queue.SimpleQueue()
         self._replay_threads: list[threading.Thread] = []
         #: The subscriber's thread's own: its poller and what each polled socket is.
         self._poller = zmq.Poller()
@@ -386,7 +302,7 @@ class Subscriber:
             self._apply(sub, seq, payload, replayed=False)
             return
         sub.stats.replays += 1
-        sub.replay = _Replay(expected, seq, [(seq, payload)], len(payload))
+        sub.replay = Replay(expected, seq, [(seq, payload)], len(payload))
         thread = threading.Thread(
             target=self._fetch, args=(sub, sub.replay), name="kvroute-kv-replay", daemon=True
         )
@@ -409,7 +325,7 @@ class Subscriber:
             for seq, payload in replay.waiting:
                 self._live(sub, seq, payload)
 
-    def _apply_replayed(self, sub: _Sub, replay: _Replay) -> str | None:
+    def _apply_replayed(self, sub: _Sub, replay: Replay) -> str | None:
         """Apply a replay's batches; why they do not fill the gap, or None."""
         for seq, payload in replay.batches:
             got = self._apply(sub, seq, payload, replayed=True)
@@ -419,7 +335,7 @@ class Subscriber:
             return f"the replay has no batch {replay.start}"
         return None
 
-    def _replay_failed(self, sub: _Sub, replay: _Replay, failure: str) -> None:
+    def _replay_failed(self, sub: _Sub, replay: Replay, failure: str) -> None:
         sub.stats.replay_failures += 1
         missing = f"batches {replay.start}..{replay.stop - 1}"
         self._resync(sub, f"{missing} were missed and could not be replayed: {failure}")
@@ -467,98 +383,20 @@ class Subscriber:
         except KvrouteError as exc:
             log.error("instance %d: %s", sub.instance, exc)
 
-    def _fetch(self, sub: _Sub, replay: _Replay) -> None:
+    def _fetch(self, sub: _Sub, replay: Replay) -> None:
         """The replay's thread: ask for batches ``replay.start..`` and keep those before
         ``replay.stop`` in ``replay.batches``, or say in ``replay.failure`` why not; then hand
         the replay back to the subscriber's thread."""
         try:
-            replay.failure = self._ask_replay(sub.source, replay)
+            replay.failure = ask_replay(
+                self._ctx,
+                sub.source,
+                replay,
+                self.replay_timeout_s,
+                self.replay_deadline_s,
+                self.max_message_bytes,
+                lambda: self._running,
+            )
         except zmq.ZMQError as exc:
             replay.failure = f"ZMQ: {exc}"
         self._replayed.put((sub, replay))
-
-    def _ask_replay(self, source: Source, replay: _Replay) -> str | None:
-        assert source.replay is not None
-        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        deadline = time.monotonic() + self.replay_deadline_s
-        kept = 0
-        try:
-            dealer.connect(source.replay)
-            dealer.send_multipart([b"", replay.start.to_bytes(8, "big")])
-            while True:
-                quiet_until = time.monotonic() + self.replay_timeout_s
-                while not dealer.poll(100):
-                    now = time.monotonic()
-                    if not self._running:
-                        return "the subscriber is closing"
-                    if now > deadline:
-                        return f"not done in {self.replay_deadline_s} s"
-                    if now > quiet_until:
-                        return f"no answer from {source.replay} in {self.replay_timeout_s} s"
-                if time.monotonic() > deadline:
-                    return f"not done in {self.replay_deadline_s} s"
-                frames = dealer.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
-                    return f"a replay message of {len(frames)} frames"
-                seq = int.from_bytes(frames[2], "big", signed=True)
-                if seq == END_OF_REPLAY:
-                    return None
-                if replay.start <= seq < replay.stop:
-                    kept += len(frames[3])
-                    if kept > MAX_WAITING_BYTES:
-                        return f"over {MAX_WAITING_BYTES} bytes replayed"
-                    replay.batches.append((seq, frames[3]))
-        finally:
-            dealer.close(linger=0)
-
-
-@dataclass
-class RankTally:
-    """What one rank published, as :class:`Tally` counts it."""
-
-    batches: int = 0
-    stored: int = 0
-    removed: int = 0
-    ignored: int = 0
-    cleared: int = 0
-    #: Jumps in the sequence numbers, the batches they skipped, and restarts (backwards).
-    gaps: int = 0
-    missed: int = 0
-    restarts: int = 0
-    last_seq: int | None = None
-    #: The last batch's timestamp to the moment it was counted, in seconds.
-    lag_s: float = 0.0
-
-
-class Tally:
-    """Counts of a stream of messages per rank, decoded by the core (for summaries)."""
-
-    def __init__(self) -> None:
-        self.ranks: dict[int, RankTally] = {}
-        self.bad_messages = 0
-
-    def add(self, frames: list[bytes]) -> None:
-        """Count one ``[topic, seq, batch]`` message."""
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.bad_messages += 1
-            return
-        seq = int.from_bytes(frames[1], "big")
-        try:
-            got = kvroute._core.decode_kv_events(frames[2])
-        except InvalidArgumentError:
-            self.bad_messages += 1
-            return
-        t = self.ranks.setdefault(got["rank"], RankTally())
-        if t.last_seq is not None and seq != t.last_seq + 1:
-            if seq > t.last_seq:
-                t.gaps += 1
-                t.missed += seq - t.last_seq - 1
-            else:
-                t.restarts += 1
-        t.last_seq = seq
-        t.batches += 1
-        for name in ("stored", "removed", "ignored", "cleared"):
-            setattr(t, name, getattr(t, name) + got[name])
-        t.lag_s = time.time() - got["ts"]
