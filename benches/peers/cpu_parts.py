@@ -55,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         work = run.build(args.workload, fleet, args.sessions, None)
         probe = workloads.Workload(
             "probe",
-            [[workloads.Request("/v1/completions", {"prompt": "x", "max_tokens": 1})]],
+            [
+                [
+                    workloads.Request(
+                        "/v1/completions", {"prompt": "x", "max_tokens": 1, "stream": True}
+                    )
+                ]
+            ],
             [None],
         )
         ports = tuple(engines.realvllm.free_ports(2))
