@@ -12,6 +12,7 @@ owned by the caller (``Router`` is a context manager that stops its process grou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -142,36 +143,18 @@ ARMS: dict[str, Arm] = {
             ),
         ),
         Arm("round-robin", "kvroute", _kvroute("--policy", "round_robin"), sessions=False),
-        # Two replicas of a router behind a per-request round robin.
-        Arm("kvroute-default-x2", "kvroute", _kvroute(), replicas=2),
-        Arm(
-            "kvroute-shared-x2",
-            "kvroute",
-            _kvroute("--router-option", "affinity=shared"),
-            replicas=2,
-        ),
-        Arm(
-            "smg-cache-aware-sticky-x2",
-            "smg",
-            _smg(
-                "--policy",
-                "cache_aware",
-                "--sticky-sessions",
-                "--routing-key-headers",
-                SESSION_HEADER,
-            ),
-            replicas=2,
-        ),
-        Arm(
-            "vllm-router-kv-aware-x2",
-            "vllm-router",
-            _vllm_router(
-                "--policy", "kv_aware", "--kv-aware-session-affinity-ttl-secs", "600", events=True
-            ),
-            replicas=2,
-        ),
+        Arm("kvroute-shared", "kvroute", _kvroute("--router-option", "affinity=shared")),
     )
 }
+# Two replicas of a router behind a per-request round robin: "<arm>-x2".
+for _name in (
+    "kvroute-default",
+    "kvroute-shared",
+    "smg-cache-aware-sticky",
+    "vllm-router-kv-aware",
+):
+    _x2 = dataclasses.replace(ARMS[_name], name=_name + "-x2", replicas=2)
+    ARMS[_x2.name] = _x2
 
 
 def peers_venv(log: Callable[[str], None] = print) -> Path:
