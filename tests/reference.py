@@ -50,6 +50,9 @@ POLICIES = [
 AFFINITY_POLICIES = {"sticky", "unified", "unified_dynamo"}
 
 
+U64_MAX = 2**64 - 1
+
+
 class SplitMix64:
     """SplitMix64 (Steele, Lea and Flood, 2014), as ``rng.rs``."""
 
@@ -120,6 +123,7 @@ class ReferenceRouter:
         balance_rel: float = 1.1,
         overlap_weight: float = 1.0,
         temperature: float = 0.0,
+        load_source: str = "router",
     ) -> None:
         if num_instances < 0:
             raise InvalidArgumentError(f"num_instances must be >= 0, got {num_instances}")
@@ -131,6 +135,10 @@ class ReferenceRouter:
             raise InvalidArgumentError("cache_capacity_blocks must be positive or None")
         if cache_rule not in ("trace", "vllm"):
             raise InvalidArgumentError(f"cache_rule must be 'trace' or 'vllm', got {cache_rule!r}")
+        if load_source not in ("router", "engine"):
+            raise InvalidArgumentError(
+                f"load_source must be 'router' or 'engine', got {load_source!r}"
+            )
         if seed < 0 or balance_abs < 0:
             raise InvalidArgumentError("seed and balance_abs must be >= 0")
         for name, value in [
@@ -162,9 +170,13 @@ class ReferenceRouter:
         self.max_sessions = max_sessions
         self.rr = 0
         self.rng = SplitMix64(seed)
-        # Engine reports: instance -> (running, waiting, kv_usage, requests sent by then).
-        self.reports: dict[int, tuple[int, int, float, int]] = {}
+        # Engine reports: instance -> (running, waiting, kv_usage, requests sent by then,
+        # requests reported beyond this router's own in flight there then).
+        self.reports: dict[int, tuple[int, int, float, int, int]] = {}
         self.sent = [0] * num_instances
+        self.load_source = load_source
+        # Requests routed so far, and the sums of their input_length and new_prefill.
+        self.routed = [0, 0, 0]
         self.rule: tuple[int | None, float | None] = (None, None)
 
     # ---- §1: blocks and keys ------------------------------------------------------------
@@ -266,12 +278,13 @@ class ReferenceRouter:
     def _report(self, i: int) -> dict[str, Any] | None:
         if i not in self.reports:
             return None
-        running, waiting, kv_usage, at = self.reports[i]
+        running, waiting, kv_usage, at, outside = self.reports[i]
         return {
             "running": running,
             "waiting": waiting,
             "kv_usage": kv_usage,
             "sent_since": self.sent[i] - at,
+            "outside": outside,
         }
 
     def _overloaded(self, i: int) -> bool:
@@ -286,10 +299,49 @@ class ReferenceRouter:
         i = self._check_instance(instance)
         if not 0 <= kv_usage <= 1:
             raise InvalidArgumentError(f"kv_usage must be in [0, 1], got {kv_usage}")
-        self.reports[i] = (running, waiting, kv_usage, self.sent[i])
+        outside = min(
+            max(min(running + waiting, U64_MAX) - self.instances[i].num_requests, 0), 2**32
+        )
+        self.reports[i] = (running, waiting, kv_usage, self.sent[i], outside)
 
     def clear_engine_load(self, instance: int) -> None:
         self.reports.pop(self._check_instance(instance), None)
+
+    def _outside_loads(self) -> list[tuple[int, int, int, int]]:
+        """Per instance, what ``load_source="engine"`` adds to its counters: the outside
+        requests of its report, each at this router's mean request so far (num_requests,
+        ongoing_tokens, pending_prefill_tokens for those reported waiting,
+        ongoing_decode_tokens for the others)."""
+        n, input_sum, prefill_sum = self.routed
+        out = []
+        for i, inst in enumerate(self.instances):
+            report = self._report(i)
+            if self.load_source != "engine" or report is None:
+                out.append((0, 0, 0, 0))
+                continue
+            everyone = report["outside"]
+            waiting = min(everyone, report["waiting"])
+
+            def share(count: int, total: int, now: int) -> int:
+                # Added with saturation at 2**64 - 1, as the core's u64 counters.
+                return min(count * total // max(n, 1), U64_MAX - now)
+
+            out.append(
+                (
+                    everyone,
+                    share(everyone, input_sum, inst.ongoing_tokens),
+                    share(waiting, prefill_sum, inst.pending_prefill_tokens),
+                    share(everyone - waiting, input_sum, inst.ongoing_decode_tokens),
+                )
+            )
+        return out
+
+    def _add_loads(self, extra: list[tuple[int, int, int, int]], sign: int) -> None:
+        for inst, (reqs, ongoing, pending, decode) in zip(self.instances, extra, strict=True):
+            inst.num_requests += sign * reqs
+            inst.ongoing_tokens += sign * ongoing
+            inst.pending_prefill_tokens += sign * pending
+            inst.ongoing_decode_tokens += sign * decode
 
     def set_overload_rule(self, waiting: int | None = None, kv_usage: float | None = None) -> None:
         if waiting is not None and waiting < 1:
@@ -342,10 +394,14 @@ class ReferenceRouter:
             over = []
         for i in over:
             self.instances[i].available = False
+        # With load_source="engine" the policies read the outside requests too.
+        extra = self._outside_loads()
+        self._add_loads(extra, 1)
         try:
             available = [i for i in available if i not in over]
             chosen, branch = self._pick(available, keys, input_length, session_id)
         finally:
+            self._add_loads(extra, -1)
             for i in over:
                 self.instances[i].available = True
         self.sent[chosen] += 1
@@ -358,6 +414,11 @@ class ReferenceRouter:
         inst.ongoing_tokens += input_length
         inst.pending_prefill_tokens += new_prefill
         self._touch(inst, self.stored(keys, input_length))
+        self.routed = [
+            self.routed[0] + 1,
+            self.routed[1] + input_length,
+            self.routed[2] + new_prefill,
+        ]
 
         self.requests[request_id] = InFlight(chosen, input_length, new_prefill)
         if session_id is not None and self.policy in AFFINITY_POLICIES:

@@ -4,6 +4,8 @@ and the overload rule that leaves a loaded engine out while another is not."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -51,8 +53,9 @@ def test_an_engines_report_sums_its_ranks_and_rates_its_counters() -> None:
 class LoadedEngine:
     """A fake engine that answers completions at once and reports ``waiting`` requests."""
 
-    def __init__(self, waiting: int) -> None:
-        self.waiting, self.served = waiting, 0
+    def __init__(self, waiting: int, running: int = 0) -> None:
+        self.waiting, self.running, self.served = waiting, running, 0
+        self.hang = False  # /metrics answers only after 30 s
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -65,8 +68,11 @@ class LoadedEngine:
         return web.Response()
 
     async def metrics(self, _r: web.Request) -> web.Response:
+        if self.hang:
+            await asyncio.sleep(30)
         text = (
-            f"vllm:num_requests_running 0\nvllm:num_requests_waiting {self.waiting}\n"
+            f"vllm:num_requests_running {self.running}\n"
+            f"vllm:num_requests_waiting {self.waiting}\n"
             "vllm:kv_cache_usage_perc 0.1\n"
         )
         return web.Response(text=text)
@@ -104,6 +110,32 @@ def test_an_overloaded_engine_is_left_out_while_another_is_not() -> None:
         assert "kvroute_proxy_overloaded{" in text
 
 
+@pytest.mark.parametrize("source", ["engine", "router"])
+def test_requests_an_engine_serves_for_others_steer_the_policy(source: str, tmp_path: Any) -> None:
+    """Traffic that bypassed this router (the engine reports 5 requests it never sent there)
+    moves new requests to the other engine with the engine load source, and only with it."""
+    bypassed, quiet = LoadedEngine(waiting=2, running=3), LoadedEngine(waiting=0)
+    log = tmp_path / "decisions.jsonl"
+    with ServerThread() as st:
+        url, proxy = proxy_of(
+            st, [bypassed, quiet], policy="load_only", load_source=source, decision_log=str(log)
+        )
+        wait_until(lambda: all(s["engine"] is not None for s in proxy.router.state()), what="reads")
+        assert [s["engine"]["outside"] for s in proxy.router.state()] == [5, 0]  # type: ignore[index]
+        for n in range(4):
+            assert http("POST", url + "/v1/completions", {"prompt": [1, 2, n]})[0] == 200
+        # load_only's ties go to the first engine: only the outside requests move them.
+        assert (bypassed.served, quiet.served) == ((0, 4) if source == "engine" else (4, 0))
+        proxy.flush_decision_log()
+        first = json.loads(log.read_text().splitlines()[0])
+        terms = first["terms"]
+        assert terms[0]["engine"]["outside"] == 5 and terms[1]["engine"]["outside"] == 0
+        assert terms[0]["num_requests"] == (5 if source == "engine" else 0)
+        assert terms[0]["overloaded"] is False
+        _, _, body = http("GET", url + "/metrics")
+        assert "kvroute_proxy_engine_outside{" in body.decode()
+
+
 def test_a_failed_read_clears_the_report_and_is_counted() -> None:
     with ServerThread() as st:
         engine = st.start(emulator_app(EmulatorConfig()))
@@ -120,6 +152,18 @@ def test_a_failed_read_clears_the_report_and_is_counted() -> None:
         assert "kvroute_proxy_engine_load_failures_total{" in body.decode()
 
 
+def test_a_read_that_hangs_is_cut_and_the_report_cleared() -> None:
+    """A stale report never stands: a read is cut after the interval (0.5 s at least)."""
+    engine = LoadedEngine(waiting=12)
+    with ServerThread() as st:
+        _, proxy = proxy_of(st, [engine, LoadedEngine(waiting=0)], overload_waiting=8)
+        wait_until(lambda: proxy.router.state()[0]["overloaded"], what="a read")
+        engine.hang = True
+        wait_until(lambda: proxy.router.state()[0]["engine"] is None, what="the cut read")
+        assert proxy.loads.last_error[0].startswith("TimeoutError")
+        assert not proxy.router.state()[0]["overloaded"]
+
+
 def test_the_overload_rule_checks_its_arguments() -> None:
     r = kvroute.Router(2)
     with pytest.raises(kvroute.InvalidArgumentError, match="kv_usage"):
@@ -129,6 +173,12 @@ def test_the_overload_rule_checks_its_arguments() -> None:
     with pytest.raises(kvroute.InvalidArgumentError, match="kv_usage"):
         r.set_engine_load(0, 1, 1, -0.1)
     r.set_engine_load(1, 2, 3, 0.5)
-    assert r.state()[1]["engine"] == {"running": 2, "waiting": 3, "kv_usage": 0.5, "sent_since": 0}
+    assert r.state()[1]["engine"] == {
+        "running": 2,
+        "waiting": 3,
+        "kv_usage": 0.5,
+        "sent_since": 0,
+        "outside": 5,
+    }
     with pytest.raises(kvroute.InvalidArgumentError, match="load_interval_s"):
         ProxyConfig(backends=["http://a:1"], load_interval_s=float("nan"))

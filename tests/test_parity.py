@@ -47,6 +47,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
         "seed": draw(st.one_of(st.integers(0, 3), st.integers(0, 2**63 - 1))),
         "cache_rule": draw(st.sampled_from(["trace", "vllm"])),
         "max_sessions": draw(st.sampled_from([None, None, 1, 2, 3])),
+        "load_source": draw(st.sampled_from(["router", "engine"])),
     }
     if policy in ("unified", "unified_dynamo"):
         kw["overload_factor"] = draw(st.sampled_from([2.0, 0.0, 1.0, 1.5, 4.0]))
@@ -116,8 +117,9 @@ def scenario(draw: st.DrawFn, policy: str) -> dict[str, Any]:
         elif op == "clear":
             ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1))))
         elif op == "load":
-            inst, running, waiting = (draw(st.integers(0, 99)) for _ in range(3))
-            ops.append((op, inst, running % 4, waiting % 5, draw(st.sampled_from([0.0, 0.5, 1.0]))))
+            inst, waiting = draw(st.integers(0, 99)), draw(st.integers(0, 4))
+            running = draw(st.one_of(st.integers(0, 3), st.integers(0, 3), st.just(2**64 - 1)))
+            ops.append((op, inst, running, waiting, draw(st.sampled_from([0.0, 0.5, 1.0]))))
         elif op == "unload":
             ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1))))
         elif op == "rule":

@@ -52,6 +52,7 @@ class EngineReport(TypedDict):
     waiting: int
     kv_usage: float
     sent_since: int
+    outside: int
 
 class InstanceState(TypedDict):
     num_requests: int
@@ -152,6 +153,7 @@ class Router:
         cache_view: Literal["estimate", "events"] = "estimate",
         pending_ttl_s: float = 10.0,
         affinity: Literal["map", "shared"] = "map",
+        load_source: Literal["router", "engine"] = "router",
     ) -> Router: ...
     def route(
         self,

@@ -107,6 +107,14 @@ def _ready(what: str) -> Any:
     help="Seconds between reads of each engine's own load (its /metrics).",
 )
 @click.option(
+    "--load-source",
+    default="engine",
+    show_default=True,
+    type=click.Choice(["engine", "router"]),
+    help="What the policies' load terms read: the router's own counts plus the requests each "
+    "engine reports beyond them (engine), or its own counts only (router).",
+)
+@click.option(
     "--overload-waiting",
     default=None,
     type=click.IntRange(min=1),
@@ -205,6 +213,7 @@ def proxy(**kw: Any) -> None:
             retries=kw["retries"],
             health_interval_s=kw["health_interval"],
             load_interval_s=kw["load_interval"],
+            load_source=kw["load_source"],
             overload_waiting=kw["overload_waiting"],
             overload_kv_usage=kw["overload_kv_usage"],
             unhealthy_after=kw["unhealthy_after"],
@@ -223,6 +232,12 @@ def proxy(**kw: Any) -> None:
     chosen = {k: v for k, v in config.policy_options().items() if k != "block_size"}
     said = ", ".join(f"{k}={v}" for k, v in chosen.items())
     click.echo(f"kvroute proxy: policy {config.policy}" + (f" ({said})" if said else ""), err=True)
+    click.echo(
+        f"kvroute proxy: load from the {config.load_source}"
+        + (" (own counts plus the engines' reports)" if config.load_source == "engine" else "")
+        + f", engines read every {config.load_interval_s:g} s",
+        err=True,
+    )
     _serve(app, kw, "proxy")
 
 

@@ -55,7 +55,11 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        options: dict[str, Any] = {"cache_rule": "vllm", "max_sessions": MAX_SESSIONS}
+        options: dict[str, Any] = {
+            "cache_rule": "vllm",
+            "max_sessions": MAX_SESSIONS,
+            "load_source": config.load_source,
+        }
         if config.uses_kv_events:
             options["cache_view"] = "events"
         elif config.kv_events == "auto":

@@ -70,6 +70,10 @@ class ProxyConfig:
     health_interval_s: float = 2.0
     #: Seconds between reads of each engine's own load (its ``/metrics``).
     load_interval_s: float = 2.0
+    #: What the policies' load terms read: ``"engine"``, the router's own counts plus the
+    #: requests each engine reported beyond them (other replicas', traffic that bypassed the
+    #: router); ``"router"``, its own counts only (``docs/semantics.md`` §2).
+    load_source: str = "engine"
     #: Leave out an engine whose waiting requests (reported, plus those sent since) reach
     #: this, or whose KV-cache usage (0 to 1) reaches ``overload_kv_usage``, while another is
     #: under both (None: that signal unused).
@@ -120,6 +124,10 @@ class ProxyConfig:
             raise InvalidArgumentError("overload_waiting must be at least 1")
         if self.overload_kv_usage is not None and not 0 <= self.overload_kv_usage <= 1:
             raise InvalidArgumentError("overload_kv_usage must be in [0, 1]")
+        if self.load_source not in ("router", "engine"):
+            raise InvalidArgumentError(
+                f"load_source must be 'router' or 'engine', got {self.load_source!r}"
+            )
         if self.retries < 0:
             raise InvalidArgumentError("retries must be at least 0")
         if self.kv_events not in ("auto", "off"):

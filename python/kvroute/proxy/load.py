@@ -146,7 +146,7 @@ class EngineLoads:
 class EngineLoadCollector(Collector):
     """The engines' own load in the proxy's metrics, per ``{backend}``: ``engine_running``,
     ``engine_waiting``, ``engine_kv_usage``, ``engine_prompt_tokens_per_second``,
-    ``engine_generation_tokens_per_second``, ``engine_sent_since_read`` and
+    ``engine_generation_tokens_per_second``, ``engine_sent_since_read``, ``engine_outside`` and
     ``engine_load_age_seconds`` (for a backend with a report), ``overloaded`` and
     ``engine_load_failures_total``."""
 
@@ -164,6 +164,7 @@ class EngineLoadCollector(Collector):
                 ("prompt_tps", "engine_prompt_tokens_per_second", "Prompt tokens/s."),
                 ("generation_tps", "engine_generation_tokens_per_second", "Output tokens/s."),
                 ("sent_since", "engine_sent_since_read", "Requests sent since its report."),
+                ("outside", "engine_outside", "Requests it reported beyond this router's."),
                 ("age", "engine_load_age_seconds", "Seconds since its load was read."),
                 ("overloaded", "overloaded", "1 while the overload rule leaves it out."),
             )
@@ -180,7 +181,8 @@ class EngineLoadCollector(Collector):
             if report is None or engine is None:
                 continue
             age = now - report.read_at
-            values = {**vars(report), "sent_since": engine["sent_since"], "age": age}
+            values = {**vars(report), "age": age}
+            values.update(sent_since=engine["sent_since"], outside=engine["outside"])
             for key, fam in gauges.items():
                 if key != "overloaded" and values.get(key) is not None:
                     fam.add_metric([url], float(values[key]))

@@ -23,7 +23,8 @@ Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL without credenti
   ``kv_uses_events``, ``kv_blocks_indexed``, ``kv_blocks_pending``; and ``kv_index_bytes``;
 * the engines' own load (:class:`~kvroute.proxy.load.EngineLoadCollector`): per ``{backend}``
   ``engine_running``, ``engine_waiting``, ``engine_kv_usage``, their throughput, the requests
-  sent since the read and its age, ``overloaded`` and ``engine_load_failures_total``.
+  sent since the read and its age, the requests beyond the router's (``engine_outside``),
+  ``overloaded`` and ``engine_load_failures_total``.
 
 The counters are the relay's (``kvroute._core.Relay.stats``), read at scrape time by
 :class:`RelayCollector`; the gauges are the router's. O(backends) per scrape; the collectors

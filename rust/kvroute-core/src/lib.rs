@@ -41,5 +41,6 @@ pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};
 pub use policy::{Policy, PolicyParams};
 pub use router::{
-    CacheRule, CacheView, Decision, EngineLoad, Id, InstanceState, OverloadRule, Router, RouterConfig,
+    CacheRule, CacheView, Decision, EngineLoad, Id, InstanceState, LoadSource, OverloadRule, Router,
+    RouterConfig,
 };

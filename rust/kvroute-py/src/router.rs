@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvroute_core::router::MAX_INSTANCES;
-use kvroute_core::{CacheRule, CacheView, OverloadRule, Policy, PolicyParams, Router, RouterConfig};
+use kvroute_core::{
+    CacheRule, CacheView, LoadSource, OverloadRule, Policy, PolicyParams, Router, RouterConfig,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -49,10 +51,12 @@ impl PyRouter {
         cache_rule = TextArg::of("trace"), max_sessions = None, overload_factor = RealArg::of(2.0), hit_ratio_gate = RealArg::of(0.5),
         seed = IntArg::of(0), cache_threshold = RealArg::of(0.5), balance_abs = IntArg::of(32),
         balance_rel = RealArg::of(1.1), overlap_weight = RealArg::of(1.0), temperature = RealArg::of(0.0),
-        cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map")),
+        cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map"),
+        load_source = TextArg::of("router")),
         text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
         cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
-        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map')")]
+        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map', \
+        load_source='router')")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -73,6 +77,7 @@ impl PyRouter {
         cache_view: TextArg,
         pending_ttl_s: RealArg,
         affinity: TextArg,
+        load_source: TextArg,
     ) -> PyResult<Self> {
         let max_instances = MAX_INSTANCES as i128;
         let n: usize = num_instances.get(py, "num_instances", 0, max_instances)?;
@@ -102,6 +107,8 @@ impl PyRouter {
                     return Err(invalid(py, format!("affinity must be 'map' or 'shared', got {other:?}")))
                 }
             },
+            load_source: LoadSource::from_name(load_source.get(py, "load_source")?)
+                .map_err(|e| to_py(py, e))?,
         };
         let router = Router::new(n, policy, config).map_err(|e| to_py(py, e))?;
         Ok(Self { inner: Arc::new(Mutex::new(router)) })
@@ -186,7 +193,7 @@ impl PyRouter {
 
     /// One dict per instance: num_requests, ongoing_tokens, pending_prefill_tokens,
     /// ongoing_decode_tokens, cached_blocks, available, cache_view, engine (its last report:
-    /// running, waiting, kv_usage, sent_since; None without one), overloaded.
+    /// running, waiting, kv_usage, sent_since, outside; None without one), overloaded.
     fn state<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let snapshot = self.lock().state();
         snapshot
@@ -206,6 +213,7 @@ impl PyRouter {
                     r.set_item("waiting", e.waiting)?;
                     r.set_item("kv_usage", e.kv_usage)?;
                     r.set_item("sent_since", e.sent_since)?;
+                    r.set_item("outside", e.outside)?;
                     Ok(r)
                 });
                 d.set_item("engine", engine.transpose()?)?;

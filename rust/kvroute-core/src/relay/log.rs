@@ -25,9 +25,9 @@ impl Terms {
     pub fn read(router: &Router, keys: &[u64], input_length: u64) -> Terms {
         let hits = router.estimate_cache_hits(keys, input_length);
         let mut out = b"[".to_vec();
-        for (i, (hit, st)) in hits.iter().zip(router.state()).enumerate() {
+        let read = router.policy_loads_now();
+        for (i, ((hit, st), load)) in hits.iter().zip(router.state()).zip(read).enumerate() {
             let new = input_length.saturating_sub(*hit);
-            let load = st.load;
             let pending = load.pending_prefill_tokens;
             if i > 0 {
                 out.push(b',');
@@ -36,12 +36,21 @@ impl Terms {
                 out,
                 "{{\"instance\":{i},\"available\":{},\"hit_tokens\":{hit},\"new_prefill\":{new},\
                  \"pending_prefill_tokens\":{pending},\"num_requests\":{},\"lmetric_score\":{},\
-                 \"cache_view\":\"{}\"}}",
-                load.available,
+                 \"cache_view\":\"{}\",\"overloaded\":{},\"engine\":",
+                st.load.available,
                 load.num_requests,
                 (pending + new).saturating_mul(load.num_requests),
-                st.cache_view
+                st.cache_view,
+                st.overloaded,
             );
+            let _ = match st.engine {
+                Some(e) => write!(
+                    out,
+                    "{{\"running\":{},\"waiting\":{},\"kv_usage\":{},\"sent_since\":{},\"outside\":{}}}}}",
+                    e.running, e.waiting, e.kv_usage, e.sent_since, e.outside
+                ),
+                None => write!(out, "null}}"),
+            };
         }
         out.push(b']');
         Terms(out)

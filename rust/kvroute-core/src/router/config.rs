@@ -114,6 +114,39 @@ impl CacheView {
     }
 }
 
+/// What feeds the policies' load terms (docs/semantics.md §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadSource {
+    /// The router's own counts of the requests it routed and that have not finished.
+    #[default]
+    Router,
+    /// The router's own counts plus, per engine with a report
+    /// ([`Router::set_engine_load`](super::Router::set_engine_load)), the requests the engine
+    /// reported beyond them (another replica's, traffic that bypassed the router).
+    Engine,
+}
+
+impl LoadSource {
+    /// The source named `name` (`"router"` or `"engine"`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "router" => Ok(Self::Router),
+            "engine" => Ok(Self::Engine),
+            _ => {
+                Err(Error::InvalidArgument(format!("load_source must be 'router' or 'engine', got {name:?}")))
+            }
+        }
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Router => "router",
+            Self::Engine => "engine",
+        }
+    }
+}
+
 /// How a router is set up.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -140,6 +173,8 @@ pub struct RouterConfig {
     /// Routers that read the same events view then agree on it, whichever routed the turn
     /// before.
     pub shared_affinity: bool,
+    /// What feeds the policies' load terms.
+    pub load_source: LoadSource,
 }
 
 impl Default for RouterConfig {
@@ -154,6 +189,7 @@ impl Default for RouterConfig {
             cache_view: CacheView::Estimate,
             pending_ttl: DEFAULT_PENDING_TTL,
             shared_affinity: false,
+            load_source: LoadSource::Router,
         }
     }
 }

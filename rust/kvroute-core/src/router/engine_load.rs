@@ -1,5 +1,6 @@
 //! What each engine reports of its own load (its waiting and running requests and KV-cache
-//! usage, read from its metrics by the caller), and the overload rule built on it.
+//! usage, read from its metrics by the caller), the overload rule built on it, and the load
+//! the policies read with [`LoadSource::Engine`].
 //!
 //! Between two reads, the requests this router sent an engine since the last one count as
 //! waiting there too (as SMG credits its dispatches), so that a burst does not all land on the
@@ -8,11 +9,23 @@
 //! while an available one is not overloaded, and takes part when every one is (the policies'
 //! formulas are untouched: they choose among the engines left).
 //!
-//! O(1) per read and per route, plus O(instances) for a route while any engine is overloaded.
-//! Not synchronised, as the [`Router`].
+//! With [`LoadSource::Engine`], the requests an engine reported beyond this router's own in
+//! flight at the read (`outside`: another replica's, traffic that bypassed the router) are
+//! added to its counters until the next read, at this router's mean request so far: each adds
+//! one request and the mean `input_length` to `ongoing_tokens`; those of them reported waiting
+//! add the mean `new_prefill` to `pending_prefill_tokens`, the others the mean `input_length`
+//! to `ongoing_decode_tokens` (docs/semantics.md §2).
+//!
+//! O(1) per read and per route, plus O(instances) for a route while any engine is overloaded
+//! or, with [`LoadSource::Engine`], while any reports outside requests. Not synchronised, as
+//! the [`Router`].
 
-use super::Router;
+use super::{LoadSource, Router};
 use crate::error::{Error, Result};
+use crate::picker::InstanceLoad;
+
+/// Outside requests counted per engine at most (a report beyond counts as this many).
+pub const MAX_OUTSIDE: u64 = 1 << 32;
 
 /// When an engine counts as overloaded (`None`: that signal is not used).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -34,6 +47,9 @@ pub struct EngineLoad {
     pub kv_usage: f64,
     /// Requests this router sent the engine since the report.
     pub sent_since: u64,
+    /// Requests reported (running and waiting) beyond this router's own in flight there at
+    /// the report, at most [`MAX_OUTSIDE`].
+    pub outside: u64,
 }
 
 /// The reports and the rule (see the module doc).
@@ -43,12 +59,19 @@ pub(crate) struct EngineLoads {
     reports: Vec<Option<(EngineLoad, u64)>>,
     /// Per instance: requests routed to it so far.
     sent: Vec<u64>,
+    /// Requests routed so far, and the sums of their `input_length` and `new_prefill`.
+    routed: (u64, u128, u128),
     pub rule: OverloadRule,
 }
 
 impl EngineLoads {
     pub fn new(instances: usize) -> Self {
-        Self { reports: vec![None; instances], sent: vec![0; instances], rule: OverloadRule::default() }
+        Self {
+            reports: vec![None; instances],
+            sent: vec![0; instances],
+            routed: (0, 0, 0),
+            rule: OverloadRule::default(),
+        }
     }
 
     pub fn add_instance(&mut self) {
@@ -56,15 +79,45 @@ impl EngineLoads {
         self.sent.push(0);
     }
 
-    /// A request was routed to `i`.
-    pub fn sent_to(&mut self, i: usize) {
+    /// A request of `input_length` tokens, `new_prefill` of them uncached, was routed to `i`.
+    pub fn sent_to(&mut self, i: usize, input_length: u64, new_prefill: u64) {
         self.sent[i] += 1;
+        let (n, input, prefill) = &mut self.routed;
+        *n += 1;
+        *input += u128::from(input_length);
+        *prefill += u128::from(new_prefill);
     }
 
     /// `i`'s last report, with the requests sent since.
     pub fn get(&self, i: usize) -> Option<EngineLoad> {
         let (load, at) = self.reports[i]?;
         Some(EngineLoad { sent_since: self.sent[i] - at, ..load })
+    }
+
+    /// `own` with the outside requests of every report added (see the module doc), into
+    /// `seen`; false (and `seen` untouched) when no report has any.
+    pub fn add_outside(&self, own: &[InstanceLoad], seen: &mut Vec<InstanceLoad>) -> bool {
+        let outside = |i: usize| self.reports[i].map_or(0, |(l, _)| l.outside);
+        if (0..own.len()).all(|i| outside(i) == 0) {
+            return false;
+        }
+        let (n, input, prefill) = self.routed;
+        let share = |count: u64, sum: u128| {
+            u64::try_from(u128::from(count) * sum / u128::from(n.max(1))).unwrap_or(u64::MAX)
+        };
+        seen.clear();
+        seen.extend(own.iter().enumerate().map(|(i, l)| {
+            let Some((report, _)) = self.reports[i] else { return l.clone() };
+            let (all, waiting) = (report.outside, report.outside.min(report.waiting));
+            InstanceLoad {
+                num_requests: l.num_requests + all,
+                ongoing_tokens: l.ongoing_tokens.saturating_add(share(all, input)),
+                pending_prefill_tokens: l.pending_prefill_tokens.saturating_add(share(waiting, prefill)),
+                ongoing_decode_tokens: l.ongoing_decode_tokens.saturating_add(share(all - waiting, input)),
+                available: l.available,
+            }
+        }));
+        true
     }
 
     /// Whether `i` is overloaded by the rule (never without a report).
@@ -90,7 +143,9 @@ impl Router {
         if !(0.0..=1.0).contains(&kv_usage) {
             return Err(Error::InvalidArgument(format!("kv_usage must be in [0, 1], got {kv_usage}")));
         }
-        let load = EngineLoad { running, waiting, kv_usage, sent_since: 0 };
+        let reported = running.saturating_add(waiting);
+        let outside = reported.saturating_sub(self.loads[i].num_requests).min(MAX_OUTSIDE);
+        let load = EngineLoad { running, waiting, kv_usage, sent_since: 0, outside };
         self.engine.reports[i] = Some((load, self.engine.sent[i]));
         Ok(())
     }
@@ -117,6 +172,23 @@ impl Router {
         }
         self.engine.rule = rule;
         Ok(())
+    }
+
+    /// The loads the policies read (see the module doc): the router's own, or, with
+    /// [`LoadSource::Engine`] and some engine reporting outside requests, those with them
+    /// added (in `self.seen`).
+    pub(super) fn policy_loads(&mut self) -> bool {
+        self.config.load_source == LoadSource::Engine && self.engine.add_outside(&self.loads, &mut self.seen)
+    }
+
+    /// The loads the policies would read now, per instance (a copy; see the module doc).
+    pub fn policy_loads_now(&self) -> Vec<InstanceLoad> {
+        let mut seen = Vec::new();
+        match self.config.load_source == LoadSource::Engine && self.engine.add_outside(&self.loads, &mut seen)
+        {
+            true => seen,
+            false => self.loads.clone(),
+        }
     }
 
     /// Whether `instance` is overloaded now (see the module doc).
@@ -154,7 +226,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::OverloadRule;
-    use crate::{Id, Policy, Router, RouterConfig};
+    use crate::{Id, LoadSource, Policy, Router, RouterConfig};
 
     #[test]
     fn an_overloaded_engine_is_left_out_while_another_is_not() {
@@ -183,5 +255,37 @@ mod tests {
         assert!(r.is_overloaded(0));
         assert!(r.set_engine_load(0, 0, 0, 1.5).is_err());
         assert!(r.set_overload_rule(OverloadRule { waiting: Some(0), kv_usage: None }).is_err());
+    }
+
+    #[test]
+    fn with_the_engine_source_outside_requests_count_until_the_next_read() {
+        let config = RouterConfig { load_source: LoadSource::Engine, ..RouterConfig::default() };
+        let mut r = Router::new(2, Policy::LoadOnly, config).unwrap();
+        let own = Router::new(2, Policy::LoadOnly, RouterConfig::default()).unwrap();
+        assert_eq!(r.route(Id::Int(0), &[], 100, None).unwrap().instance, 0);
+        // Engine 1 serves 3 requests this router never sent: 1 beyond its own on 0.
+        r.set_engine_load(1, 2, 1, 0.2).unwrap();
+        r.set_engine_load(0, 1, 0, 0.1).unwrap();
+        assert_eq!(r.engine_load(1).unwrap().unwrap().outside, 3);
+        assert_eq!(r.engine_load(0).unwrap().unwrap().outside, 0);
+        let seen = r.policy_loads_now();
+        assert_eq!((seen[1].num_requests, seen[1].ongoing_tokens), (3, 300));
+        assert_eq!((seen[1].pending_prefill_tokens, seen[1].ongoing_decode_tokens), (100, 200));
+        let picks: Vec<usize> =
+            (1..5).map(|n| r.route(Id::Int(n), &[], 100, None).unwrap().instance).collect();
+        assert_eq!(
+            picks,
+            vec![0, 0, 0, 1],
+            "0 fills to 4 (a tie at 3 goes first-seen) before 1 gets its 4th"
+        );
+        assert_eq!(r.state()[1].load.num_requests, 1, "the router's own counts stay its own");
+        // A read that fails forgets them; the router's own source never reads them.
+        r.clear_engine_load(1).unwrap();
+        assert_eq!(r.policy_loads_now()[1].num_requests, 1);
+        let mut own = own;
+        own.set_engine_load(1, 50, 50, 0.5).unwrap();
+        assert_eq!(own.policy_loads_now()[1].num_requests, 0);
+        assert_eq!(own.route(Id::Int(0), &[], 100, None).unwrap().instance, 0);
+        assert_eq!(own.route(Id::Int(1), &[], 100, None).unwrap().instance, 1);
     }
 }

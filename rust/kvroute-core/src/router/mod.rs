@@ -32,7 +32,7 @@ mod instances;
 mod kv_events;
 
 pub use config::{
-    CacheRule, CacheView, Id, RouterConfig, DEFAULT_PENDING_TTL, MAX_INPUT_LENGTH, MAX_INSTANCES,
+    CacheRule, CacheView, Id, LoadSource, RouterConfig, DEFAULT_PENDING_TTL, MAX_INPUT_LENGTH, MAX_INSTANCES,
 };
 pub use engine_load::{EngineLoad, OverloadRule};
 use kv_events::merge;
@@ -94,6 +94,8 @@ pub struct Router {
     available_totals: (u64, u64),
     /// The engines' own reports of their load, and the overload rule.
     engine: engine_load::EngineLoads,
+    /// The loads the policies read when they are not the router's own (`engine_load`).
+    seen: Vec<InstanceLoad>,
 }
 
 impl Router {
@@ -127,6 +129,7 @@ impl Router {
             merged: Vec::new(),
             available_totals: (0, num_instances as u64),
             engine: engine_load::EngineLoads::new(num_instances),
+            seen: Vec::new(),
             config,
         })
     }
@@ -164,7 +167,7 @@ impl Router {
         let decision = self.route_among(request, keys, input_length, session);
         self.restore(&hidden);
         if let Ok(d) = &decision {
-            self.engine.sent_to(d.instance);
+            self.engine.sent_to(d.instance, input_length, d.new_prefill);
         }
         decision
     }
@@ -187,6 +190,14 @@ impl Router {
         let shared = self.config.shared_affinity && session.is_some() && self.uses_affinity();
         let (lookup, stored) =
             self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size);
+        let (loads, available_totals) = match self.policy_loads() {
+            true => {
+                let seen = &self.seen;
+                let available = seen.iter().filter(|l| l.available);
+                (seen, available.fold((0, 0), |(s, c), l| (s + l.num_requests, c + 1)))
+            }
+            false => (&self.loads, self.available_totals),
+        };
         let cache = self.cache.lock();
         let events = self.events.as_ref();
         let on_events = |i: usize| events.is_some_and(|e| e.uses_events(i));
@@ -212,7 +223,7 @@ impl Router {
             None => None,
         };
         let input = PickInput {
-            loads: &self.loads,
+            loads,
             matched,
             cached_blocks: &|i| match events {
                 Some(e) if e.uses_events(i) => e.cached_blocks(i),
@@ -221,7 +232,7 @@ impl Router {
             input_length,
             block_size: self.config.block_size,
             affinity,
-            available_totals: self.available_totals,
+            available_totals,
         };
         let saved = (self.state.rr, self.state.rng.clone());
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
