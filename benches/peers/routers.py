@@ -144,17 +144,21 @@ ARMS: dict[str, Arm] = {
         ),
         Arm("round-robin", "kvroute", _kvroute("--policy", "round_robin"), sessions=False),
         Arm("kvroute-shared", "kvroute", _kvroute("--router-option", "affinity=shared")),
+        # The default, its policies reading only the router's own counts.
+        Arm("kvroute-own-load", "kvroute", _kvroute("--load-source", "router")),
     )
 }
-# Two replicas of a router behind a per-request round robin: "<arm>-x2".
+# Two and three replicas of a router behind a per-request round robin: "<arm>-x2", "-x3".
 for _name in (
     "kvroute-default",
     "kvroute-shared",
+    "kvroute-own-load",
     "smg-cache-aware-sticky",
     "vllm-router-kv-aware",
 ):
-    _x2 = dataclasses.replace(ARMS[_name], name=_name + "-x2", replicas=2)
-    ARMS[_x2.name] = _x2
+    for _n in (2, 3):
+        _xn = dataclasses.replace(ARMS[_name], name=f"{_name}-x{_n}", replicas=_n)
+        ARMS[_xn.name] = _xn
 
 
 def peers_venv(log: Callable[[str], None] = print) -> Path:

@@ -22,10 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,9 @@ KV_BYTES = {
     "prefix-repetition": 32 << 20,
     "mooncake-ids": 48 << 20,
 }
+#: Prompt tokens of each request of the outside traffic (``--outside``): random ids, so none
+#: hits the prefix cache.
+OUTSIDE_PROMPT_TOKENS = 2048
 #: Sessions (or, without sessions, requests) in flight per load.
 LOADS = {"light": 2, "heavy": 8}
 DEFAULT_ARMS = (
@@ -75,6 +81,8 @@ class ArmRun:
     preemptions: int
     cpu_ms_per_req: float
     error_samples: list[str] = field(default_factory=list)
+    #: Requests the outside traffic completed on the first engine meanwhile.
+    outside_requests: int = 0
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -82,6 +90,41 @@ def _quantile(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Outside:
+    """Traffic that bypasses the router (``--outside N``): N clients, each sending the first
+    engine one request after another (``OUTSIDE_PROMPT_TOKENS`` random token ids, 16 output
+    tokens) until stopped, as a batch job of another team would."""
+
+    def __init__(self, url: str, model: str, clients: int) -> None:
+        self.url, self.model, self.done = url, model, 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(n,)) for n in range(clients)]
+
+    def _loop(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self._stop.is_set():
+            prompt = [rng.randrange(100, 30000) for _ in range(OUTSIDE_PROMPT_TOKENS)]
+            body = {"model": self.model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True}
+            req = urllib.request.Request(
+                self.url + "/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                resp.read()
+            self.done += 1
+
+    def __enter__(self) -> Outside:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
 
 
 def measure_arm(
@@ -92,8 +135,11 @@ def measure_arm(
     concurrency: int,
     log_dir: Path,
     peers_bin: Path | None,
+    outside: int = 0,
 ) -> dict[str, Any]:
-    """One arm's figures on ``work`` (see the module doc)."""
+    """One arm's figures on ``work`` (see the module doc), with ``outside`` clients sending
+    the first engine requests of their own meanwhile (:class:`Outside`; their requests and
+    prompt tokens are taken out of its counters)."""
     urls = list(fleet.urls)
     port, metrics = engines.realvllm.free_ports(2)
 
@@ -113,13 +159,15 @@ def measure_arm(
         before = [engines.counters(u) for u in urls]
         cpu0 = sum(r.cpu_seconds() for r in started)
         router_urls = [r.url for r in started]
-        results, wall = client.run(router_urls, work, fleet.model, concurrency, arm.sessions)
-        cpu1 = sum(r.cpu_seconds() for r in started)
+        with Outside(urls[0], fleet.model, outside) as other:
+            results, wall = client.run(router_urls, work, fleet.model, concurrency, arm.sessions)
+            cpu1 = sum(r.cpu_seconds() for r in started)
         time.sleep(0.5)  # the engines' last counters
         after = [engines.counters(u) for u in urls]
     pairs = list(zip(after, before, strict=True))
     hits = sum(a.hits - b.hits for a, b in pairs)
-    queries = sum(a.queries - b.queries for a, b in pairs)
+    queries = sum(a.queries - b.queries for a, b in pairs) - other.done * OUTSIDE_PROMPT_TOKENS
+    outside_only = [other.done * OUTSIDE_PROMPT_TOKENS] + [0] * (len(urls) - 1)
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
     hit_rate = hits / queries if queries else 0.0
@@ -131,14 +179,18 @@ def measure_arm(
         "ttft_ms": {q: _quantile(ttfts, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
         "mean_e2e_ms": statistics.fmean(r.e2e * 1e3 for r in ok) if ok else float("nan"),
         "req_per_s": len(ok) / wall if wall else 0.0,
-        "per_engine": [int(a.requests - b.requests) for a, b in pairs],
+        "per_engine": [
+            int(a.requests - b.requests) - o // OUTSIDE_PROMPT_TOKENS
+            for (a, b), o in zip(pairs, outside_only, strict=True)
+        ],
         "per_engine_hit_rate": [
-            (a.hits - b.hits) / (a.queries - b.queries) if a.queries > b.queries else 0.0
-            for a, b in pairs
+            (a.hits - b.hits) / (a.queries - b.queries - o) if a.queries - b.queries > o else 0.0
+            for (a, b), o in zip(pairs, outside_only, strict=True)
         ],
         "preemptions": int(sum(a.preemptions - b.preemptions for a, b in pairs)),
         "cpu_ms_per_req": (cpu1 - cpu0) * 1e3 / max(len(results), 1),
         "error_samples": [r.error or "" for r in results if not r.ok][:3],
+        "outside_requests": other.done,
     }
 
 
@@ -170,6 +222,13 @@ def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
             f"\n**{wl}, {load} load** (ceiling: any-session {c['any_session']:.1%}, "
             f"intra-session {c['intra_session']:.1%})\n"
         )
+        outside = [r.outside_requests for r in runs if (r.workload, r.load) == (wl, load)]
+        if any(outside):
+            out.append(
+                f"Outside traffic: {statistics.median(outside):.0f} requests of "
+                f"{OUTSIDE_PROMPT_TOKENS} uncached tokens sent straight to the first engine "
+                "during each arm's run (median; taken out of the figures below).\n"
+            )
         out.append(
             "| arm | rounds | hit % | of ceiling | TTFT p50 ms | p90 | p99 | mean E2E ms "
             "| req/s | per engine (hit %) | preemptions | router CPU ms/req | errors |"
@@ -231,10 +290,12 @@ def run(
     sessions: int | None = None,
     turns: int | None = None,
     progress: Any = print,
+    outside: int = 0,
 ) -> tuple[list[ArmRun], dict[str, dict[str, float]], dict[str, Any]]:
     """Every workload x load x round x arm (see the module doc); the runs, each workload's
     ceilings, and the run's facts (versions, sizes). ``sessions`` and ``turns`` cut the
-    workloads (:func:`build`)."""
+    workloads (:func:`build`); ``outside``: clients sending the first engine traffic of
+    their own meanwhile (:class:`Outside`)."""
     arms = routers.arms(arm_names)
     peers_bin = routers.peers_venv(progress) if any(a.kind != "kvroute" for a in arms) else None
     runs: list[ArmRun] = []
@@ -244,6 +305,7 @@ def run(
         "vllm": engines.realvllm.VLLM_VERSION,
         "loads": {k: LOADS[k] for k in loads},
         "kv_bytes": {}, "requests": {}, "output_tokens": workloads.OUTPUT_TOKENS,
+        "outside_clients": outside,
     }  # fmt: skip
     for name in names:
         with engines.Engines(KV_BYTES[name], log_dir / "vllm") as eng:
@@ -259,7 +321,7 @@ def run(
                         try:
                             got = measure_arm(
                                 arm, eng.fleet, work, ceilings[name]["any_session"],
-                                LOADS[load], log_dir / "routers", peers_bin,
+                                LOADS[load], log_dir / "routers", peers_bin, outside,
                             )  # fmt: skip
                         except RuntimeError as exc:  # the router did not start
                             got = _failed(work.requests, len(eng.fleet.urls), str(exc))
@@ -280,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=None, help="sessions per trace folder")
     parser.add_argument("--turns", type=int, default=None, help="turns per session")
+    parser.add_argument(
+        "--outside", type=int, default=0, help="clients sending the first engine traffic of "
+        "their own during each arm's run (a batch job bypassing the router)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
@@ -289,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     runs, ceilings, facts = run(
         split(args.workloads), split(args.loads), split(args.arms), args.rounds, log_dir,
-        args.sessions, args.turns,
+        args.sessions, args.turns, outside=args.outside,
     )  # fmt: skip
     facts["seconds"] = round(time.time() - started)
     table = markdown(runs, ceilings)
