@@ -177,7 +177,7 @@ class ReferenceRouter:
         self.load_source = load_source
         # Requests routed so far, and the sums of their input_length and new_prefill.
         self.routed = [0, 0, 0]
-        self.rule: tuple[int | None, float | None] = (None, None)
+        self.rule: tuple[int | None, float | None, int | None] = (None, None, None)
 
     # ---- §1: blocks and keys ------------------------------------------------------------
 
@@ -288,12 +288,20 @@ class ReferenceRouter:
         }
 
     def _overloaded(self, i: int) -> bool:
+        waiting, kv_usage, in_flight = self.rule
         report = self._report(i)
+        outside = report["outside"] if report and self.load_source == "engine" else 0
+        if in_flight is not None and self.instances[i].num_requests + outside >= in_flight:
+            return True
         if report is None:
             return False
-        waiting, kv_usage = self.rule
         over_waiting = waiting is not None and report["waiting"] + report["sent_since"] >= waiting
         return over_waiting or (kv_usage is not None and report["kv_usage"] >= kv_usage)
+
+    def has_room(self) -> bool:
+        return any(
+            inst.available and not self._overloaded(i) for i, inst in enumerate(self.instances)
+        )
 
     def set_engine_load(self, instance: int, running: int, waiting: int, kv_usage: float) -> None:
         i = self._check_instance(instance)
@@ -343,12 +351,19 @@ class ReferenceRouter:
             inst.pending_prefill_tokens += sign * pending
             inst.ongoing_decode_tokens += sign * decode
 
-    def set_overload_rule(self, waiting: int | None = None, kv_usage: float | None = None) -> None:
+    def set_overload_rule(
+        self,
+        waiting: int | None = None,
+        kv_usage: float | None = None,
+        in_flight: int | None = None,
+    ) -> None:
         if waiting is not None and waiting < 1:
             raise InvalidArgumentError("waiting must be an int >= 1")
+        if in_flight is not None and in_flight < 1:
+            raise InvalidArgumentError("in_flight must be an int >= 1")
         if kv_usage is not None and not 0 <= kv_usage <= 1:
             raise InvalidArgumentError("an overload rule needs kv_usage in [0, 1]")
-        self.rule = (waiting, kv_usage)
+        self.rule = (waiting, kv_usage, in_flight)
 
     def set_available(self, instance: int, flag: bool) -> None:
         self.instances[self._check_instance(instance)].available = bool(flag)

@@ -124,7 +124,8 @@ def scenario(draw: st.DrawFn, policy: str) -> dict[str, Any]:
             ops.append((op, draw(st.integers(0, MAX_INSTANCES - 1))))
         elif op == "rule":
             waiting = draw(st.sampled_from([None, 1, 2, 3]))
-            ops.append((op, waiting, draw(st.sampled_from([None, 0.5, 0.9]))))
+            in_flight = draw(st.sampled_from([None, None, 1, 2, 4]))
+            ops.append((op, waiting, draw(st.sampled_from([None, 0.5, 0.9])), in_flight))
         else:
             ops.append((op, *draw(req)))
     return {"n": n, "kw": kw, "ops": ops, "end_seed": draw(st.integers(0, 2**32))}
@@ -161,6 +162,7 @@ def call_both(rust: Callable[[], Any], ref: Callable[[], Any]) -> Any:
 
 def assert_same_state(rust: kvroute.Router, ref: ReferenceRouter) -> None:
     assert rust.state() == ref.state()
+    assert rust.has_room() == ref.has_room()
     assert rust.num_instances == ref.num_instances
     assert rust.in_flight == ref.in_flight
     assert rust.num_sessions == ref.num_sessions
@@ -222,8 +224,8 @@ def run_step(rust: kvroute.Router, ref: ReferenceRouter, op: tuple[Any, ...]) ->
         call_both(lambda: rust.clear_engine_load(inst), lambda: ref.clear_engine_load(inst))
     elif kind == "rule":
         call_both(
-            lambda: rust.set_overload_rule(op[1], op[2]),
-            lambda: ref.set_overload_rule(op[1], op[2]),
+            lambda: rust.set_overload_rule(op[1], op[2], op[3]),
+            lambda: ref.set_overload_rule(op[1], op[2], op[3]),
         )
     else:
         _, keys, length, form = op
@@ -323,6 +325,7 @@ def test_reference_has_the_router_api() -> None:
         "set_engine_load",
         "clear_engine_load",
         "set_overload_rule",
+        "has_room",
     }
     ref = ReferenceRouter(2, "lmetric", block_size=16)
     # The events view has its own reference (tests/reference_kv.py, tests/test_kv_index.py).

@@ -4,6 +4,7 @@ engine evicts, gaps replayed from a real replay socket or turned degraded withou
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -211,3 +212,56 @@ def test_two_proxy_replicas_hold_the_same_view(engines: Engines) -> None:
             < a.metric("kvroute_proxy_decisions_total")
         )
         print(f"\nreplicas agree at sequence numbers {last_seqs(a)}")
+
+
+def seen_alike(routers: tuple[kvroute.Router, ...], keys: Any, n: int) -> bool:
+    """Whether every router's events view holds the same hits of ``keys``, some of them."""
+    hits = [r.estimate_cache_hits(keys, n, view="events") for r in routers]
+    return all(h == hits[0] for h in hits) and max(hits[0]) > 0
+
+
+@pytest.mark.parametrize("affinity", ["map", "shared"])
+def test_two_replicas_send_every_turn_where_its_session_is_cached(
+    engines: Engines, affinity: str
+) -> None:
+    """Two proxies with the default policy in front of the same engines, a session's turns
+    sent to them in turn (a load balancer that knows nothing of sessions): every turn after
+    the first lands on the engine holding the session's prefix, and hits it there, whichever
+    replica routed the turn before (with the map of sessions too: the shared events view finds
+    the prefix)."""
+    options = {"block_size": BLOCK_SIZE, "affinity": affinity}
+    with (
+        RealStack(engines, router_options=options) as a,
+        RealStack(engines, router_options=options) as b,
+    ):
+        clear(a.proxy.router, engines.urls)
+        clear(b.proxy.router, engines.urls)
+        chats = [[{"role": "system", "content": text(300 + i, 500)}] for i in range(4)]
+        holder: dict[int, int] = {}
+        replicas, sent = (a.proxy.router, b.proxy.router), 0
+        for turn in range(3):
+            for i, messages in enumerate(chats):
+                messages.append({"role": "user", "content": f"turn {turn} of chat {i}?"})
+                stack = (a, b)[sent % 2]
+                sent += 1
+                answer = stack.client.chat.completions.create(
+                    model=MODEL_NAME,
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=2,
+                    extra_headers={"X-Session-Id": f"chat-{i}"},
+                )
+                ids = tokenize(a.url, {"messages": messages, "add_generation_prompt": True})
+                keys = kvroute.block_hashes(ids, BLOCK_SIZE)
+                wait_until(
+                    functools.partial(seen_alike, replicas, keys, len(ids)),
+                    30,
+                    "both replicas to see the turn's blocks",
+                )
+                hits = a.proxy.router.estimate_cache_hits(keys, len(ids), view="events")
+                held = [e for e, h in enumerate(hits) if h > 0]
+                assert len(held) == 1, f"chat {i} turn {turn}: blocks on {hits}"
+                if turn > 0:
+                    assert held[0] == holder[i], f"chat {i} turn {turn} left its engine"
+                    details = answer.usage.prompt_tokens_details  # type: ignore[union-attr]
+                    assert details is not None and (details.cached_tokens or 0) >= BLOCK_SIZE
+                holder[i] = held[0]

@@ -184,8 +184,12 @@ class Router:
     ) -> None: ...
     def clear_engine_load(self, instance: int) -> None: ...
     def set_overload_rule(
-        self, waiting: int | None = None, kv_usage: float | None = None
+        self,
+        waiting: int | None = None,
+        kv_usage: float | None = None,
+        in_flight: int | None = None,
     ) -> None: ...
+    def has_room(self) -> bool: ...
     def set_available(self, instance: int, flag: bool) -> None: ...
     def add_instance(self) -> int: ...
     def session_affinity(self, session_id: RequestId) -> int | None: ...
@@ -232,10 +236,18 @@ class RelayBackendStats(TypedDict):
     ttft: tuple[list[int], float]
     e2e: tuple[list[int], float]
 
+class RelayQueueStats(TypedDict):
+    waiting: int
+    queued: int
+    shed_full: int
+    shed_timeout: int
+    wait: tuple[list[int], float]
+
 class RelayStats(TypedDict):
     backends: list[RelayBackendStats]
     errors: dict[str, int]
     routing: tuple[list[int], float]
+    queue: RelayQueueStats
 
 @final
 class Relay:
@@ -259,6 +271,9 @@ class Relay:
         max_connections: int = 8192,
         upstream_idle_timeout_s: float = 30.0,
         model: TextModel | None = None,
+        queue_size: int | None = None,
+        queue_timeout_s: float = 30.0,
+        priority_header: str = "x-priority",
     ) -> Relay: ...
     def set_backend(
         self, index: int, url: str, address: tuple[str, str, int], host: str, prefix: str

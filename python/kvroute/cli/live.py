@@ -128,6 +128,34 @@ def _ready(what: str) -> Any:
     help="Leave out an engine whose KV-cache usage (0 to 1) reaches this while another's is "
     "under [default: off].",
 )
+@click.option(
+    "--max-in-flight",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Leave out an engine with this many requests in flight while another has fewer "
+    "[default: off].",
+)
+@click.option(
+    "--queue-size",
+    default=None,
+    type=click.IntRange(min=0),
+    help="Admission: while every engine is over a limit (--max-in-flight, --overload-*), up to "
+    "this many requests wait at the router, routed when one has room [default: off: all "
+    "engines take part].",
+)
+@click.option(
+    "--queue-timeout",
+    default=30.0,
+    show_default=True,
+    type=Finite(min=0, min_open=True),
+    help="Seconds a request waits in the queue at most (then 503 with Retry-After).",
+)
+@click.option(
+    "--priority-header",
+    default="X-Priority",
+    show_default=True,
+    help="Header with a request's priority in the queue (an integer, higher first).",
+)
 @click.option("--unhealthy-after", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--healthy-after", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -216,6 +244,10 @@ def proxy(**kw: Any) -> None:
             load_source=kw["load_source"],
             overload_waiting=kw["overload_waiting"],
             overload_kv_usage=kw["overload_kv_usage"],
+            max_in_flight=kw["max_in_flight"],
+            queue_size=kw["queue_size"],
+            queue_timeout_s=kw["queue_timeout"],
+            priority_header=kw["priority_header"],
             unhealthy_after=kw["unhealthy_after"],
             healthy_after=kw["healthy_after"],
             admin_token=kw["admin_token"] or None,

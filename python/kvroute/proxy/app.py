@@ -70,7 +70,9 @@ class Proxy:
         self.router = kvroute.Router(
             len(config.backends), config.policy, **{**options, **config.policy_options()}
         )
-        self.router.set_overload_rule(config.overload_waiting, config.overload_kv_usage)
+        self.router.set_overload_rule(
+            config.overload_waiting, config.overload_kv_usage, config.max_in_flight
+        )
         self.pool = BackendPool(config, self.router)
         self.loads = EngineLoads(self.pool, self.router, config.load_interval_s)
         self._relay: Any = None
@@ -135,6 +137,9 @@ class Proxy:
             body_read_timeout_s=c.body_read_timeout_s,
             max_connections=c.max_connections,
             model=self.keyer.model,
+            queue_size=c.queue_size,
+            queue_timeout_s=c.queue_timeout_s,
+            priority_header=c.priority_header,
         )
         self.pool.attach(self._relay)
         return bound

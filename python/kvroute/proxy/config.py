@@ -79,6 +79,15 @@ class ProxyConfig:
     #: under both (None: that signal unused).
     overload_waiting: int | None = None
     overload_kv_usage: float | None = None
+    #: Leave out an engine with this many requests in flight (as the policies read them).
+    max_in_flight: int | None = None
+    #: Admission (``docs/proxy.md``, "Admission"): while every engine is overloaded, up to
+    #: this many requests wait in the router's queue (None: none wait, all engines take part).
+    queue_size: int | None = None
+    #: Longest wait in the queue, in seconds (then 503 with ``Retry-After``).
+    queue_timeout_s: float = 30.0
+    #: Header with a request's priority in the queue (an integer, higher first; 0 without).
+    priority_header: str = "X-Priority"
     health_timeout_s: float = 2.0
     unhealthy_after: int = 3
     healthy_after: int = 2
@@ -117,11 +126,15 @@ class ProxyConfig:
             "header_read_timeout_s",
             "body_read_timeout_s",
         )
-        for name in (*timeouts, "health_interval_s", "load_interval_s"):
+        for name in (*timeouts, "health_interval_s", "load_interval_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be positive")
         if self.overload_waiting is not None and self.overload_waiting < 1:
             raise InvalidArgumentError("overload_waiting must be at least 1")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise InvalidArgumentError("max_in_flight must be at least 1")
+        if self.queue_size is not None and self.queue_size < 0:
+            raise InvalidArgumentError("queue_size must be at least 0")
         if self.overload_kv_usage is not None and not 0 <= self.overload_kv_usage <= 1:
             raise InvalidArgumentError("overload_kv_usage must be in [0, 1]")
         if self.load_source not in ("router", "engine"):

@@ -130,6 +130,14 @@ class RelayCollector(Collector):
         routing = HistogramMetricFamily(
             "kvroute_proxy_routing_seconds", "Keying plus routing decision."
         )
+        waiting = GaugeMetricFamily("kvroute_proxy_queue_waiting", "Requests in the queue.")
+        queued = CounterMetricFamily("kvroute_proxy_queued", "Requests that waited in the queue.")
+        shed = CounterMetricFamily(
+            "kvroute_proxy_shed", "Requests refused with 503 by admission.", labels=["reason"]
+        )
+        wait = HistogramMetricFamily(
+            "kvroute_proxy_queue_wait_seconds", "Wait in the queue of the requests routed after."
+        )
         if stats is not None:
             urls = self._urls()
             for url, s in zip(urls, stats["backends"], strict=False):
@@ -153,7 +161,15 @@ class RelayCollector(Collector):
                     errors.add_metric(["", kind], n)
             counts, total = stats["routing"]
             routing.add_metric([], _buckets(ROUTING_BUCKETS, counts), total)
+            q = stats["queue"]
+            waiting.add_metric([], q["waiting"])
+            queued.add_metric([], q["queued"])
+            shed.add_metric(["full"], q["shed_full"])
+            shed.add_metric(["timeout"], q["shed_timeout"])
+            counts, total = q["wait"]
+            wait.add_metric([], _buckets(LATENCY_BUCKETS, counts), total)
         yield from (decisions, estimated, reported, prompt, ttft, e2e, errors, retries, routing)
+        yield from (waiting, queued, shed, wait)
 
 
 #: Per-rank counters of the router's view: (metric suffix, key, help).

@@ -21,6 +21,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvroute_core::relay::admission::AdmissionConfig;
 use kvroute_core::relay::connect::Address;
 use kvroute_core::relay::stats::{ErrorKind, Stats};
 use kvroute_core::relay::stats::{Histogram, BRANCHES};
@@ -238,7 +239,8 @@ impl PyRelay {
     #[new]
     #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
         max_concurrency, retries, session_header, session_field = None, decision_log = None, header_read_timeout_s = 30.0,
-        body_read_timeout_s = 60.0, max_connections = 8192, upstream_idle_timeout_s = 30.0, model = None))]
+        body_read_timeout_s = 60.0, max_connections = 8192, upstream_idle_timeout_s = 30.0, model = None,
+        queue_size = None, queue_timeout_s = 30.0, priority_header = "x-priority"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -259,6 +261,9 @@ impl PyRelay {
         max_connections: usize,
         upstream_idle_timeout_s: f64,
         model: Option<&PyTextModel>,
+        queue_size: Option<usize>,
+        queue_timeout_s: f64,
+        priority_header: &str,
     ) -> PyResult<Self> {
         if listen_fd < 0 {
             return Err(invalid(py, format!("listen_fd must be a file descriptor, got {listen_fd}")));
@@ -288,6 +293,14 @@ impl PyRelay {
             text: model.map(|m| Arc::clone(&m.model)),
             side: address(py, side, "the side application")?,
             decision_log,
+            admission: match queue_size {
+                None => None,
+                Some(queue) => Some(AdmissionConfig {
+                    queue,
+                    max_wait: seconds(py, queue_timeout_s, "queue_timeout_s")?,
+                    priority_header: priority_header.to_ascii_lowercase(),
+                }),
+            },
         };
         // SAFETY: the caller hands over a listening socket it no longer uses (socket.detach()).
         let listener = unsafe { TcpListener::from_raw_fd(listen_fd) };
@@ -331,8 +344,9 @@ impl PyRelay {
 
     /// The counters: `{"backends": [per index: {"decisions": {branch: n}, "estimated",
     /// "reported", "prompt", "retries", "errors": {kind: n}, "ttft": (counts, sum), "e2e"}],
-    /// "errors": {kind: n}, "routing": (counts, sum)}`; histogram counts are per bucket, the
-    /// last one above every bound.
+    /// "errors": {kind: n}, "routing": (counts, sum), "queue": {"waiting", "queued",
+    /// "shed_full", "shed_timeout", "wait": (counts, sum)}}`; histogram counts are per bucket,
+    /// the last one above every bound.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
         let out = PyDict::new(py);
@@ -356,6 +370,16 @@ impl PyRelay {
         out.set_item("backends", backends)?;
         out.set_item("errors", errors(py, &self.stats.errors)?)?;
         out.set_item("routing", histogram(py, &self.stats.routing)?)?;
+        let queue = PyDict::new(py);
+        let q = &self.stats.queue;
+        let waiting =
+            self.relay.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map_or(0, Relay::queue_waiting);
+        queue.set_item("waiting", waiting)?;
+        queue.set_item("queued", q.queued.load(Relaxed))?;
+        queue.set_item("shed_full", q.shed_full.load(Relaxed))?;
+        queue.set_item("shed_timeout", q.shed_timeout.load(Relaxed))?;
+        queue.set_item("wait", histogram(py, &q.wait)?)?;
+        out.set_item("queue", queue)?;
         Ok(out)
     }
 

@@ -16,6 +16,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -23,6 +24,7 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
 
+use super::admission::POLL;
 use super::job::{output, At, Job};
 use super::log::{Record, Terms};
 use super::pool::{Failure, Upstream};
@@ -33,7 +35,7 @@ use super::stream::Relayed;
 use super::usage::usage;
 use super::{Keyed, Refusal, Shared};
 use crate::jobs::locked;
-use crate::{Decision, Error, Id};
+use crate::{Decision, Error, Id, Router};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
 
@@ -127,8 +129,19 @@ async fn run(job: &Job, req: &Request) -> Answer {
     let (sh, keyed) = (&*job.sh, &job.keyed);
     let mut tried: Vec<usize> = Vec::new();
     let mut fail: Option<Fail> = None;
+    let mut queue_wait = 0.0;
     for attempt in 0..=sh.config.retries {
-        let (decision, terms) = match route(sh, &job.rid, keyed, &tried) {
+        let routed = match attempt {
+            0 => match admit(job, req).await {
+                Ok((routed, waited)) => {
+                    queue_wait = waited;
+                    routed
+                }
+                Err(refused) => return Answer::Whole(refused),
+            },
+            _ => route(&mut locked(&sh.router), sh, &job.rid, keyed, &tried),
+        };
+        let (decision, terms) = match routed {
             Ok(routed) => routed,
             Err(Error::NoInstanceAvailable) => {
                 return Answer::Whole(fail.map_or_else(
@@ -162,6 +175,7 @@ async fn run(job: &Job, req: &Request) -> Answer {
                 decision: &decision,
                 backend: &at.backend.url,
                 input_length: keyed.input_length,
+                queue_wait,
                 terms,
             });
         }
@@ -169,6 +183,9 @@ async fn run(job: &Job, req: &Request) -> Answer {
             Ok(answer) => return answer,
             Err((f, at)) => {
                 locked(&sh.router).finish(&job.rid);
+                if let Some(a) = &sh.admission {
+                    a.wake();
+                }
                 at.bs.error(f.kind);
                 at.failure(sh);
                 tried.push(i);
@@ -192,7 +209,7 @@ const TEXT_INLINE_BYTES: usize = 512;
 /// with the model when there is one (off the event loop for a long body); the rest from the
 /// hooks (off the event loop when they may block).
 async fn key(sh: &Arc<Shared>, req: &Request, chat: bool) -> Result<Keyed, Refusal> {
-    let header = req.session_header(&sh.config.session_header);
+    let header = req.header(&sh.config.session_header);
     let c = &sh.config;
     if !chat {
         let session = header.as_deref();
@@ -227,11 +244,70 @@ async fn key(sh: &Arc<Shared>, req: &Request, chat: bool) -> Result<Keyed, Refus
     })
 }
 
+/// What [`route`] gives.
+type Routed = crate::Result<(Decision, Option<Terms>)>;
+
+/// Route the first attempt: at once, or with admission once an engine has room and the
+/// request is the first waiting ([`super::admission`]), with the seconds it waited; the
+/// answer instead when refused.
+async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>> {
+    let (sh, keyed) = (&*job.sh, &job.keyed);
+    let Some(adm) = &sh.admission else {
+        return Ok((route(&mut locked(&sh.router), sh, &job.rid, keyed, &[]), 0.0));
+    };
+    let name = &adm.config.priority_header;
+    let priority = match req.header(name) {
+        None => 0,
+        Some(v) => v.trim().parse::<i64>().map_err(|_| {
+            sh.stats.error(ErrorKind::BadRequest);
+            let message = format!("the {name} header must be an integer, got {v:?}");
+            error(400, &message, "invalid_request_error")
+        })?,
+    };
+    if adm.waiting() == 0 {
+        let mut router = locked(&sh.router);
+        if router.has_room() {
+            return Ok((route(&mut router, sh, &job.rid, keyed, &[]), 0.0));
+        }
+    }
+    let Some(ticket) = adm.enter(priority, keyed.session.as_ref(), &sh.stats) else {
+        sh.stats.queue.shed_full.fetch_add(1, Ordering::Relaxed);
+        return Err(shed(&format!("the router's queue is full ({} waiting)", adm.config.queue)));
+    };
+    let deadline = ticket.since + adm.config.max_wait;
+    loop {
+        let woken = adm.woken(); // before looking: a wake-up after the look is not missed
+        if ticket.is_first() {
+            let mut router = locked(&sh.router);
+            if router.has_room() {
+                let routed = route(&mut router, sh, &job.rid, keyed, &[]);
+                drop(router);
+                let waited = ticket.since.elapsed();
+                sh.stats.queue.wait.observe(waited);
+                return Ok((routed, waited.as_secs_f64()));
+            }
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            sh.stats.queue.shed_timeout.fetch_add(1, Ordering::Relaxed);
+            let waited = adm.config.max_wait.as_secs_f64();
+            return Err(shed(&format!("no engine had room within {waited} s")));
+        }
+        let _ = tokio::time::timeout_at(deadline.min(now + POLL).into(), woken).await;
+    }
+}
+
+/// 503 with `Retry-After`: the request was not admitted.
+fn shed(message: &str) -> Response<Out> {
+    let mut r = error(503, message, "service_unavailable");
+    r.headers_mut().insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    r
+}
+
 /// Route, with the backends already tried hidden for this one decision; the score terms
 /// before it when the decision log wants them.
-fn route(sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> crate::Result<(Decision, Option<Terms>)> {
-    let mut router = locked(&sh.router);
-    let terms = sh.log.as_ref().map(|_| Terms::read(&router, &k.keys, k.input_length));
+fn route(router: &mut Router, sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> Routed {
+    let terms = sh.log.as_ref().map(|_| Terms::read(router, &k.keys, k.input_length));
     let hidden: Vec<usize> = tried.iter().copied().filter(|&i| router.is_available(i)).collect();
     for &i in &hidden {
         router.set_available(i as i64, false)?;

@@ -72,7 +72,11 @@ impl Drop for Job {
         if !self.settled {
             self.sh.stats.error(ErrorKind::ClientDisconnect);
         }
-        locked(&self.sh.router).finish(&self.rid);
+        if locked(&self.sh.router).finish(&self.rid) {
+            if let Some(a) = &self.sh.admission {
+                a.wake(); // its engine may have room now
+            }
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! The relay's JSONL decision log: one object per routing decision (request, session,
-//! attempt, instance, backend, branch, input length, estimated hit, new prefill, and per
+//! attempt, instance, backend, branch, input length, estimated hit, new prefill, the wait in
+//! the admission queue, and per
 //! instance the score terms seen just before the decision), the shape `docs/proxy.md`
 //! documents.
 //!
@@ -65,6 +66,8 @@ pub(super) struct Record<'a> {
     pub decision: &'a Decision,
     pub backend: &'a str,
     pub input_length: u64,
+    /// Seconds the request waited in the admission queue (0: it did not).
+    pub queue_wait: f64,
     pub terms: Terms,
 }
 
@@ -95,11 +98,13 @@ impl DecisionLog {
         json_str(r.backend, true, &mut line);
         let _ = write!(
             line,
-            ",\"branch\":\"{}\",\"input_length\":{},\"estimated_hit_tokens\":{},\"new_prefill\":{},\"terms\":",
+            ",\"branch\":\"{}\",\"input_length\":{},\"estimated_hit_tokens\":{},\"new_prefill\":{},\
+             \"queue_wait_s\":{:.6},\"terms\":",
             d.branch.name(),
             r.input_length,
             d.hit_tokens,
-            d.new_prefill
+            d.new_prefill,
+            r.queue_wait
         );
         line.extend_from_slice(&r.terms.0);
         line.extend_from_slice(b"}\n");

@@ -11,6 +11,7 @@
 //!   went to, its output read by the hooks.
 //! - `stream`: a streamed answer's body, relayed frame by frame.
 //! - `forward`: one generation request: key, route, send, retry, answer, finish.
+//! - [`admission`]: the queue requests wait in while no engine has room.
 //! - `server`: client connections on hyper's server: reading requests, refusing bad ones,
 //!   relaying the side application's requests.
 //! - `reply`: answer bodies and JSON error bodies.
@@ -33,6 +34,7 @@
 //! Thread-safety: the relay's state is shared with the caller's threads through an `Arc`;
 //! the router is locked for each lifecycle step, never across an await or while a hook runs.
 
+pub mod admission;
 pub mod body;
 pub mod connect;
 mod forward;
@@ -105,6 +107,9 @@ pub struct RelayConfig {
     pub side: Address,
     /// JSONL decision log, when wanted.
     pub decision_log: Option<PathBuf>,
+    /// Requests wait while no engine has room ([`admission`]); None: they are routed at once
+    /// (overloaded engines all take part when every one is).
+    pub admission: Option<admission::AdmissionConfig>,
 }
 
 /// A request body's routing inputs, from [`Hooks::key`].
@@ -198,6 +203,7 @@ pub(crate) struct Shared {
     pool: Pool,
     stats: Arc<Stats>,
     log: Option<log::DecisionLog>,
+    admission: Option<admission::Admission>,
     next_request: AtomicI64,
     /// Generation requests forwarded at once (`max_concurrency` permits).
     forwarding: Arc<Semaphore>,
@@ -229,6 +235,7 @@ impl Relay {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let _entered = runtime.enter(); // the listener takes its reactor
         let shared = Arc::new(Shared {
+            admission: config.admission.clone().map(admission::Admission::new),
             pool: Pool::new(config.connect_timeout, config.upstream_idle_timeout),
             forwarding: Arc::new(Semaphore::new(config.max_concurrency.min(Semaphore::MAX_PERMITS))),
             connections: Arc::new(Semaphore::new(config.max_connections.min(Semaphore::MAX_PERMITS))),
@@ -257,6 +264,11 @@ impl Relay {
     /// The counters.
     pub fn stats(&self) -> Arc<Stats> {
         Arc::clone(&self.shared.stats)
+    }
+
+    /// Requests waiting in the admission queue now.
+    pub fn queue_waiting(&self) -> usize {
+        self.shared.admission.as_ref().map_or(0, admission::Admission::waiting)
     }
 
     /// Write out the decision log's buffer.

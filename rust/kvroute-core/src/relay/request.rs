@@ -87,8 +87,8 @@ impl Request {
         up
     }
 
-    /// The session header's value (`lower_name`), its bytes read as latin-1.
-    pub fn session_header(&self, lower_name: &str) -> Option<String> {
+    /// A header's value (`lower_name`), its bytes read as latin-1.
+    pub fn header(&self, lower_name: &str) -> Option<String> {
         let v = self.head.headers.get(lower_name)?;
         Some(v.as_bytes().iter().map(|&b| char::from(b)).collect())
     }

@@ -164,8 +164,23 @@ pub struct Stats {
     backends: RwLock<Vec<Arc<BackendStats>>>,
     /// Errors before a backend was chosen ([`ErrorKind::ALL`] order).
     pub errors: [AtomicU64; 7],
-    /// Keying plus the routing decision.
+    /// Keying plus the routing decision (a wait in the admission queue not included).
     pub routing: Histogram,
+    /// The admission queue's.
+    pub queue: QueueStats,
+}
+
+/// The admission queue's counters.
+#[derive(Debug)]
+pub struct QueueStats {
+    /// Requests that waited (entered the queue).
+    pub queued: AtomicU64,
+    /// Requests refused because the queue was full.
+    pub shed_full: AtomicU64,
+    /// Requests refused after waiting their longest.
+    pub shed_timeout: AtomicU64,
+    /// Seconds waited by the requests that were routed after waiting.
+    pub wait: Histogram,
 }
 
 impl Default for Stats {
@@ -174,6 +189,12 @@ impl Default for Stats {
             backends: RwLock::new(Vec::new()),
             errors: counters(),
             routing: Histogram::new(&ROUTING_BUCKETS),
+            queue: QueueStats {
+                queued: AtomicU64::new(0),
+                shed_full: AtomicU64::new(0),
+                shed_timeout: AtomicU64::new(0),
+                wait: Histogram::new(&LATENCY_BUCKETS),
+            },
         }
     }
 }

@@ -5,7 +5,8 @@
 //! Between two reads, the requests this router sent an engine since the last one count as
 //! waiting there too (as SMG credits its dispatches), so that a burst does not all land on the
 //! engine that looked idle. An engine is overloaded when that waiting count reaches the rule's
-//! `waiting`, or its KV usage its `kv_usage`; an overloaded engine is left out of a decision
+//! `waiting`, its KV usage its `kv_usage`, or its requests in flight (as the policies read
+//! them, below) its `in_flight`; an overloaded engine is left out of a decision
 //! while an available one is not overloaded, and takes part when every one is (the policies'
 //! formulas are untouched: they choose among the engines left).
 //!
@@ -34,6 +35,9 @@ pub struct OverloadRule {
     pub waiting: Option<u64>,
     /// KV-cache usage (0 to 1) at or above which.
     pub kv_usage: Option<f64>,
+    /// Requests in flight there as the policies read them (`num_requests`, with the outside
+    /// requests under [`LoadSource::Engine`]) at or above which; needs no report.
+    pub in_flight: Option<u64>,
 }
 
 /// One engine's last report, as routing reads it.
@@ -120,8 +124,8 @@ impl EngineLoads {
         true
     }
 
-    /// Whether `i` is overloaded by the rule (never without a report).
-    pub fn overloaded(&self, i: usize) -> bool {
+    /// Whether `i`'s report makes it overloaded by the rule (never without one).
+    pub fn reported_over(&self, i: usize) -> bool {
         let Some(load) = self.get(i) else { return false };
         let waiting = load.waiting + load.sent_since;
         self.rule.waiting.is_some_and(|w| waiting >= w)
@@ -165,9 +169,12 @@ impl Router {
 
     /// Use `rule` from now on.
     pub fn set_overload_rule(&mut self, rule: OverloadRule) -> Result<()> {
-        if rule.kv_usage.is_some_and(|k| !(0.0..=1.0).contains(&k)) || rule.waiting == Some(0) {
+        if rule.kv_usage.is_some_and(|k| !(0.0..=1.0).contains(&k))
+            || rule.waiting == Some(0)
+            || rule.in_flight == Some(0)
+        {
             return Err(Error::InvalidArgument(format!(
-                "an overload rule needs waiting >= 1 and kv_usage in [0, 1], got {rule:?}"
+                "an overload rule needs waiting >= 1, in_flight >= 1 and kv_usage in [0, 1], got {rule:?}"
             )));
         }
         self.engine.rule = rule;
@@ -193,7 +200,22 @@ impl Router {
 
     /// Whether `instance` is overloaded now (see the module doc).
     pub fn is_overloaded(&self, instance: usize) -> bool {
-        instance < self.loads.len() && self.engine.overloaded(instance)
+        instance < self.loads.len() && self.overloaded(instance)
+    }
+
+    pub(super) fn overloaded(&self, i: usize) -> bool {
+        let outside = match self.config.load_source {
+            LoadSource::Engine => self.engine.get(i).map_or(0, |l| l.outside),
+            LoadSource::Router => 0,
+        };
+        let in_flight = self.loads[i].num_requests + outside;
+        self.engine.rule.in_flight.is_some_and(|cap| in_flight >= cap) || self.engine.reported_over(i)
+    }
+
+    /// Whether some available instance is not overloaded: a request routed now has room
+    /// (admission waits until one has).
+    pub fn has_room(&self) -> bool {
+        (0..self.loads.len()).any(|i| self.loads[i].available && !self.overloaded(i))
     }
 
     /// Leave out of the next decision the available instances that are overloaded, while
@@ -203,8 +225,7 @@ impl Router {
         if self.engine.rule == OverloadRule::default() {
             return Vec::new();
         }
-        let over: Vec<usize> =
-            (0..n).filter(|&i| self.loads[i].available && self.engine.overloaded(i)).collect();
+        let over: Vec<usize> = (0..n).filter(|&i| self.loads[i].available && self.overloaded(i)).collect();
         let available = self.loads.iter().filter(|l| l.available).count();
         if over.is_empty() || over.len() == available {
             return Vec::new();
@@ -231,7 +252,7 @@ mod tests {
     #[test]
     fn an_overloaded_engine_is_left_out_while_another_is_not() {
         let mut r = Router::new(2, Policy::RoundRobin, RouterConfig::default()).unwrap();
-        r.set_overload_rule(OverloadRule { waiting: Some(3), kv_usage: Some(0.9) }).unwrap();
+        r.set_overload_rule(OverloadRule { waiting: Some(3), kv_usage: Some(0.9), in_flight: None }).unwrap();
         r.set_engine_load(0, 4, 3, 0.5).unwrap(); // waiting at the threshold
         let mut picks = Vec::new();
         for n in 0..4 {
@@ -254,7 +275,8 @@ mod tests {
         assert_eq!(r.engine_load(0).unwrap().unwrap().sent_since, 1);
         assert!(r.is_overloaded(0));
         assert!(r.set_engine_load(0, 0, 0, 1.5).is_err());
-        assert!(r.set_overload_rule(OverloadRule { waiting: Some(0), kv_usage: None }).is_err());
+        assert!(r.set_overload_rule(OverloadRule { waiting: Some(0), ..OverloadRule::default() }).is_err());
+        assert!(r.set_overload_rule(OverloadRule { in_flight: Some(0), ..OverloadRule::default() }).is_err());
     }
 
     #[test]
@@ -287,5 +309,24 @@ mod tests {
         assert_eq!(own.policy_loads_now()[1].num_requests, 0);
         assert_eq!(own.route(Id::Int(0), &[], 100, None).unwrap().instance, 0);
         assert_eq!(own.route(Id::Int(1), &[], 100, None).unwrap().instance, 1);
+    }
+
+    #[test]
+    fn an_in_flight_cap_needs_no_report_and_counts_outside_requests() {
+        let config = RouterConfig { load_source: LoadSource::Engine, ..RouterConfig::default() };
+        let mut r = Router::new(2, Policy::RoundRobin, config).unwrap();
+        r.set_overload_rule(OverloadRule { in_flight: Some(2), ..OverloadRule::default() }).unwrap();
+        let picks: Vec<usize> =
+            (0..4).map(|n| r.route(Id::Int(n), &[], 10, None).unwrap().instance).collect();
+        assert_eq!(picks, vec![0, 1, 0, 1]);
+        assert!(!r.has_room() && r.is_overloaded(0) && r.is_overloaded(1));
+        r.finish(&Id::Int(1));
+        assert!(r.has_room() && !r.is_overloaded(1));
+        // One request beyond the router's own reported on 1: full again.
+        r.set_engine_load(1, 2, 0, 0.1).unwrap();
+        assert!(!r.has_room());
+        r.set_available(1, false).unwrap();
+        r.finish(&Id::Int(0));
+        assert!(r.has_room(), "0 has room");
     }
 }

@@ -21,7 +21,7 @@ impl Router {
                 },
                 cache_view: self.events.as_ref().map_or("estimate", |e| e.source(i)),
                 engine: self.engine.get(i),
-                overloaded: self.engine.overloaded(i),
+                overloaded: self.overloaded(i),
             })
             .collect()
     }

@@ -1,0 +1,196 @@
+"""Admission at the router (``docs/proxy.md``, "Admission"): while every engine is at its
+limit, requests wait in the router's queue and are routed when one has room, to the engine
+that has it; a full queue and a wait past the timeout get 503 with ``Retry-After``; a client
+that leaves while queued leaves no trace; priorities go first."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from aiohttp import web
+
+from kvroute.proxy import Proxy, ProxyConfig, ServerThread
+from livekit import http, wait_until
+
+
+class GatedEngine:
+    """A fake engine whose completions each wait for a permit (:meth:`release`, from any
+    thread) and answer with their prompt; ``served`` lists the prompts it answered."""
+
+    def __init__(self, st: ServerThread) -> None:
+        self.st, self.served, self.arrived = st, [], 0
+        self._permits: asyncio.Semaphore | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.Response()
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.arrived += 1
+        if self._permits is None:
+            self._permits = asyncio.Semaphore(0)
+        await self._permits.acquire()
+        self.served.append(body["prompt"])
+        choice = {"index": 0, "text": "x", "finish_reason": "length"}
+        return web.json_response({"choices": [choice], "usage": {"completion_tokens": 1}})
+
+    def release(self) -> None:
+        def give() -> None:
+            if self._permits is None:
+                self._permits = asyncio.Semaphore(0)
+            self._permits.release()
+
+        self.st.run(give)
+
+
+def send(url: str, prompt: list[int], headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """A request in a thread of its own; its answer lands in the returned dict."""
+    out: dict[str, Any] = {}
+
+    def go() -> None:
+        out["status"], out["headers"], out["body"] = http(
+            "POST", url + "/v1/completions", {"prompt": prompt}, headers
+        )
+
+    out["thread"] = threading.Thread(target=go)
+    out["thread"].start()
+    return out
+
+
+def queue(proxy: Proxy) -> dict[str, Any]:
+    return dict(proxy._relay.stats()["queue"])
+
+
+def stack(st: ServerThread, n: int, **config: Any) -> tuple[str, Proxy, list[GatedEngine]]:
+    engines = [GatedEngine(st) for _ in range(n)]
+    urls = [st.start(e.app()) for e in engines]
+    options = {"policy": "round_robin", "max_in_flight": 1, "health_interval_s": 60.0}
+    proxy = Proxy(ProxyConfig(backends=urls, **{**options, **config}))
+    return st.start(proxy), proxy, engines
+
+
+def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    with ServerThread() as st:
+        url, proxy, (e0, e1) = stack(st, 2, queue_size=8, decision_log=str(log))
+        first = send(url, [1])
+        wait_until(lambda: e0.arrived == 1, what="engine 0 busy")
+        second = send(url, [2])
+        wait_until(lambda: e1.arrived == 1, what="engine 1 busy")
+        third = send(url, [3])
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="the third to wait")
+        assert proxy.router.in_flight == 2, "not routed while it waits"
+        e1.release()  # engine 1 frees first: the waiting request is bound to it then
+        wait_until(lambda: e1.arrived == 2, what="the third on engine 1")
+        e0.release(), e1.release()
+        for r in (first, second, third):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert (e0.served, e1.served) == ([[1]], [[2], [3]])
+        q = queue(proxy)
+        assert (q["waiting"], q["queued"], q["shed_full"], q["shed_timeout"]) == (0, 1, 0, 0)
+        assert sum(q["wait"][0]) == 1
+        text = http("GET", url + "/metrics")[2].decode()
+        assert "kvroute_proxy_queue_waiting 0.0" in text
+        assert 'kvroute_proxy_shed_total{reason="full"} 0.0' in text
+        proxy.flush_decision_log()
+        waits = [json.loads(line)["queue_wait_s"] for line in log.read_text().splitlines()]
+        assert waits[:2] == [0, 0] and waits[2] > 0
+
+
+def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
+    with ServerThread() as st:
+        url, proxy, (e0,) = stack(st, 1, queue_size=1, queue_timeout_s=0.5)
+        busy = send(url, [1])
+        wait_until(lambda: e0.arrived == 1, what="the engine busy")
+        waiting = send(url, [2])
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="one waiting")
+        status, headers, body = http("POST", url + "/v1/completions", {"prompt": [3]})
+        assert (status, headers["Retry-After"]) == (503, "1")
+        assert "queue is full" in json.loads(body)["error"]["message"]
+        waiting["thread"].join()
+        assert (waiting["status"], waiting["headers"]["Retry-After"]) == (503, "1")
+        assert "within 0.5 s" in json.loads(waiting["body"])["error"]["message"]
+        e0.release()
+        busy["thread"].join()
+        assert busy["status"] == 200 and e0.served == [[1]]
+        q = queue(proxy)
+        assert (q["waiting"], q["shed_full"], q["shed_timeout"]) == (0, 1, 1)
+        wait_until(lambda: proxy.router.in_flight == 0, what="the router to drain")
+
+
+def test_a_client_that_leaves_while_queued_leaves_no_trace() -> None:
+    with ServerThread() as st:
+        url, proxy, (e0,) = stack(st, 1, queue_size=4)
+        busy = send(url, [1])
+        wait_until(lambda: e0.arrived == 1, what="the engine busy")
+        parts = urlsplit(url)
+        body = json.dumps({"prompt": [2]}).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection((parts.hostname, parts.port)) as sock:
+            sock.sendall(head + body)
+            wait_until(lambda: queue(proxy)["waiting"] == 1, what="it to wait")
+        wait_until(lambda: queue(proxy)["waiting"] == 0, what="it to leave the queue")
+        e0.release()
+        busy["thread"].join()
+        assert e0.served == [[1]] and e0.arrived == 1, "the one that left never reached it"
+        wait_until(lambda: proxy.router.in_flight == 0, what="the router to drain")
+        decisions = sum(
+            n for b in proxy._relay.stats()["backends"] for n in b["decisions"].values()
+        )
+        assert decisions == 1
+
+
+def test_a_higher_priority_goes_first_and_a_bad_one_is_refused() -> None:
+    with ServerThread() as st:
+        url, proxy, (e0,) = stack(st, 1, queue_size=4)
+        busy = send(url, [1])
+        wait_until(lambda: e0.arrived == 1, what="the engine busy")
+        low = send(url, [2])
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="one waiting")
+        high = send(url, [3], {"X-Priority": "5"})
+        wait_until(lambda: queue(proxy)["waiting"] == 2, what="two waiting")
+        status, _, body = http(
+            "POST", url + "/v1/completions", {"prompt": [4]}, {"X-Priority": "hi"}
+        )
+        assert status == 400 and "X-Priority" in json.loads(body)["error"]["message"].title()
+        for _ in range(3):
+            e0.release()
+        for r in (busy, low, high):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert e0.served == [[1], [3], [2]]
+
+
+def test_without_a_queue_overloaded_engines_all_take_part() -> None:
+    with ServerThread() as st:
+        url, proxy, (e0,) = stack(st, 1)
+        first, second = send(url, [1]), send(url, [2])
+        wait_until(lambda: e0.arrived == 2, what="both on the one engine")
+        e0.release(), e0.release()
+        for r in (first, second):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert queue(proxy)["queued"] == 0
+
+
+@pytest.mark.parametrize("bad", [{"queue_size": -1}, {"max_in_flight": 0}, {"queue_timeout_s": 0}])
+def test_admission_options_are_checked(bad: dict[str, Any]) -> None:
+    with pytest.raises(Exception, match=next(iter(bad))):
+        ProxyConfig(backends=["http://127.0.0.1:1"], **bad)
