@@ -146,6 +146,15 @@ ARMS: dict[str, Arm] = {
         Arm("kvroute-shared", "kvroute", _kvroute("--router-option", "affinity=shared")),
         # The default, its policies reading only the router's own counts.
         Arm("kvroute-own-load", "kvroute", _kvroute("--load-source", "router")),
+        # Admission: at most N requests in flight per engine, the rest wait at the router.
+        *(
+            Arm(
+                f"kvroute-admit{n}",
+                "kvroute",
+                _kvroute("--max-in-flight", str(n), "--queue-size", "1024"),
+            )
+            for n in (2, 3, 4)
+        ),
     )
 }
 # Two and three replicas of a router behind a per-request round robin: "<arm>-x2", "-x3".
