@@ -194,3 +194,12 @@ def test_without_a_queue_overloaded_engines_all_take_part() -> None:
 def test_admission_options_are_checked(bad: dict[str, Any]) -> None:
     with pytest.raises(Exception, match=next(iter(bad))):
         ProxyConfig(backends=["http://127.0.0.1:1"], **bad)
+
+
+def test_with_no_engine_available_a_request_is_refused_at_once() -> None:
+    with ServerThread() as st:
+        url, proxy, _ = stack(st, 1, queue_size=4, queue_timeout_s=60.0)
+        proxy.router.set_available(0, False)
+        status, _, body = http("POST", url + "/v1/completions", {"prompt": [1]}, timeout=10.0)
+        assert status == 503 and "no backend" in json.loads(body)["error"]["message"]
+        assert queue(proxy)["queued"] == 0

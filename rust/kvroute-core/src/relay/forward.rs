@@ -158,7 +158,8 @@ async fn run(job: &Job, req: &Request) -> Answer {
             }
         };
         if attempt == 0 {
-            sh.stats.routing.observe(req.t0.elapsed());
+            let waited = std::time::Duration::from_secs_f64(queue_wait);
+            sh.stats.routing.observe(req.t0.elapsed().saturating_sub(waited));
         }
         let i = decision.instance;
         let Some(backend) = sh.backends.get(i) else {
@@ -266,7 +267,7 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
     };
     if adm.waiting() == 0 {
         let mut router = locked(&sh.router);
-        if router.has_room() {
+        if room_or_none(&router) {
             return Ok((route(&mut router, sh, &job.rid, keyed, &[]), 0.0));
         }
     }
@@ -279,7 +280,7 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
         let woken = adm.woken(); // before looking: a wake-up after the look is not missed
         if ticket.is_first() {
             let mut router = locked(&sh.router);
-            if router.has_room() {
+            if room_or_none(&router) {
                 let routed = route(&mut router, sh, &job.rid, keyed, &[]);
                 drop(router);
                 let waited = ticket.since.elapsed();
@@ -295,6 +296,12 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
         }
         let _ = tokio::time::timeout_at(deadline.min(now + POLL).into(), woken).await;
     }
+}
+
+/// Whether a request may be routed now: an engine has room, or none is available at all (the
+/// routing then answers 503 at once, as without admission).
+fn room_or_none(router: &Router) -> bool {
+    router.has_room() || !(0..router.num_instances()).any(|i| router.is_available(i))
 }
 
 /// 503 with `Retry-After`: the request was not admitted.

@@ -137,14 +137,6 @@ impl LoadSource {
             }
         }
     }
-
-    /// Its name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Router => "router",
-            Self::Engine => "engine",
-        }
-    }
 }
 
 /// How a router is set up.
