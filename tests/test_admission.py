@@ -6,9 +6,11 @@ that leaves while queued leaves no trace; priorities go first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,7 +27,8 @@ class GatedEngine:
     thread) and answer with their prompt; ``served`` lists the prompts it answered."""
 
     def __init__(self, st: ServerThread) -> None:
-        self.st, self.served, self.arrived = st, [], 0
+        self.st, self.arrived = st, 0
+        self.served: list[Any] = []
         self._permits: asyncio.Semaphore | None = None
 
     def app(self) -> web.Application:
@@ -74,18 +77,23 @@ def queue(proxy: Proxy) -> dict[str, Any]:
     return dict(proxy._relay.stats()["queue"])
 
 
-def stack(st: ServerThread, n: int, **config: Any) -> tuple[str, Proxy, list[GatedEngine]]:
-    engines = [GatedEngine(st) for _ in range(n)]
-    urls = [st.start(e.app()) for e in engines]
-    options = {"policy": "round_robin", "max_in_flight": 1, "health_interval_s": 60.0}
-    proxy = Proxy(ProxyConfig(backends=urls, **{**options, **config}))
-    return st.start(proxy), proxy, engines
+@contextlib.contextmanager
+def stack(n: int, **config: Any) -> Iterator[tuple[str, Proxy, list[GatedEngine]]]:
+    """``n`` gated engines behind a proxy (round robin, one request in flight per engine);
+    the proxy stops first, with its connections to them."""
+    with ServerThread() as st:
+        engines = [GatedEngine(st) for _ in range(n)]
+        urls = [st.start(e.app()) for e in engines]
+        options = {"policy": "round_robin", "max_in_flight": 1, "health_interval_s": 60.0}
+        proxy = Proxy(ProxyConfig(backends=urls, **{**options, **config}))
+        url = st.start(proxy)
+        yield url, proxy, engines
+        st.stop(url)
 
 
 def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None:
     log = tmp_path / "decisions.jsonl"
-    with ServerThread() as st:
-        url, proxy, (e0, e1) = stack(st, 2, queue_size=8, decision_log=str(log))
+    with stack(2, queue_size=8, decision_log=str(log)) as (url, proxy, (e0, e1)):
         first = send(url, [1])
         wait_until(lambda: e0.arrived == 1, what="engine 0 busy")
         second = send(url, [2])
@@ -95,7 +103,8 @@ def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None
         assert proxy.router.in_flight == 2, "not routed while it waits"
         e1.release()  # engine 1 frees first: the waiting request is bound to it then
         wait_until(lambda: e1.arrived == 2, what="the third on engine 1")
-        e0.release(), e1.release()
+        e0.release()
+        e1.release()
         for r in (first, second, third):
             r["thread"].join()
             assert r["status"] == 200
@@ -112,8 +121,7 @@ def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None
 
 
 def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
-    with ServerThread() as st:
-        url, proxy, (e0,) = stack(st, 1, queue_size=1, queue_timeout_s=0.5)
+    with stack(1, queue_size=1, queue_timeout_s=0.5) as (url, proxy, (e0,)):
         busy = send(url, [1])
         wait_until(lambda: e0.arrived == 1, what="the engine busy")
         waiting = send(url, [2])
@@ -133,8 +141,7 @@ def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
 
 
 def test_a_client_that_leaves_while_queued_leaves_no_trace() -> None:
-    with ServerThread() as st:
-        url, proxy, (e0,) = stack(st, 1, queue_size=4)
+    with stack(1, queue_size=4) as (url, proxy, (e0,)):
         busy = send(url, [1])
         wait_until(lambda: e0.arrived == 1, what="the engine busy")
         parts = urlsplit(url)
@@ -158,8 +165,7 @@ def test_a_client_that_leaves_while_queued_leaves_no_trace() -> None:
 
 
 def test_a_higher_priority_goes_first_and_a_bad_one_is_refused() -> None:
-    with ServerThread() as st:
-        url, proxy, (e0,) = stack(st, 1, queue_size=4)
+    with stack(1, queue_size=4) as (url, proxy, (e0,)):
         busy = send(url, [1])
         wait_until(lambda: e0.arrived == 1, what="the engine busy")
         low = send(url, [2])
@@ -179,11 +185,11 @@ def test_a_higher_priority_goes_first_and_a_bad_one_is_refused() -> None:
 
 
 def test_without_a_queue_overloaded_engines_all_take_part() -> None:
-    with ServerThread() as st:
-        url, proxy, (e0,) = stack(st, 1)
+    with stack(1) as (url, proxy, (e0,)):
         first, second = send(url, [1]), send(url, [2])
         wait_until(lambda: e0.arrived == 2, what="both on the one engine")
-        e0.release(), e0.release()
+        e0.release()
+        e0.release()
         for r in (first, second):
             r["thread"].join()
             assert r["status"] == 200
@@ -197,8 +203,7 @@ def test_admission_options_are_checked(bad: dict[str, Any]) -> None:
 
 
 def test_with_no_engine_available_a_request_is_refused_at_once() -> None:
-    with ServerThread() as st:
-        url, proxy, _ = stack(st, 1, queue_size=4, queue_timeout_s=60.0)
+    with stack(1, queue_size=4, queue_timeout_s=60.0) as (url, proxy, _):
         proxy.router.set_available(0, False)
         status, _, body = http("POST", url + "/v1/completions", {"prompt": [1]}, timeout=10.0)
         assert status == 503 and "no backend" in json.loads(body)["error"]["message"]
