@@ -107,6 +107,27 @@ class Hold:
         return await handler(request)
 
 
+class FakeEngine:
+    """A hand-made engine for a test: ``POST /v1/completions`` answered by the subclass's
+    ``completions``, ``GET /health`` always 200, and whatever :meth:`add_routes` adds."""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        self.add_routes(app)
+        return app
+
+    def add_routes(self, app: web.Application) -> None:
+        """More endpoints (none here)."""
+
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.Response()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+
 #: The proxy's health checks in a :class:`Stack` unless a test sets them: a check a loaded
 #: machine answers late would count as a failure (three take a backend down).
 QUIET_HEALTH = {"health_interval_s": 60.0, "health_timeout_s": 30.0}

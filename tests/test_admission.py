@@ -19,10 +19,10 @@ import pytest
 from aiohttp import web
 
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
-from livekit import http, wait_until
+from livekit import FakeEngine, http, wait_until
 
 
-class GatedEngine:
+class GatedEngine(FakeEngine):
     """A fake engine whose completions each wait for a permit (:meth:`release`, from any
     thread) and answer with their prompt; ``served`` lists the prompts it answered."""
 
@@ -30,15 +30,6 @@ class GatedEngine:
         self.st, self.arrived = st, 0
         self.served: list[Any] = []
         self._permits: asyncio.Semaphore | None = None
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def health(self, _r: web.Request) -> web.Response:
-        return web.Response()
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -15,7 +15,7 @@ import kvroute
 from kvroute.emulator import EmulatorConfig, emulator_app
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.proxy.load import engine_report
-from livekit import http, wait_until
+from livekit import FakeEngine, http, wait_until
 
 METRICS = """# HELP vllm:num_requests_running Requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -50,22 +50,15 @@ def test_an_engines_report_sums_its_ranks_and_rates_its_counters() -> None:
     assert engine_report("other_metric 1\n", 1.0, None) is None
 
 
-class LoadedEngine:
+class LoadedEngine(FakeEngine):
     """A fake engine that answers completions at once and reports ``waiting`` requests."""
 
     def __init__(self, waiting: int, running: int = 0) -> None:
         self.waiting, self.running, self.served = waiting, running, 0
         self.hang = False  # /metrics answers only after 30 s
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/health", self.health)
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self.metrics)
-        return app
-
-    async def health(self, _r: web.Request) -> web.Response:
-        return web.Response()
 
     async def metrics(self, _r: web.Request) -> web.Response:
         if self.hang:

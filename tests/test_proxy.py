@@ -28,7 +28,7 @@ from kvroute.proxy.prompts import (
     render_chat,
     wants_stream,
 )
-from livekit import MODEL, Stack, http, sse_events, wait_until
+from livekit import MODEL, FakeEngine, Stack, http, sse_events, wait_until
 
 # -- keys and prompts -----------------------------------------------------------------------
 
@@ -674,20 +674,11 @@ def test_answer_output_reads_ids_text_and_usage() -> None:
     assert keyer.output_now(json.dumps(whole).encode(), False) == ([5, 6], 2)
 
 
-class IdsEngine:
+class IdsEngine(FakeEngine):
     """A fake engine whose answers carry ``token_ids``, as vLLM's do with
     ``return_token_ids``: 20 ids after the prompt, 20 tokens sampled."""
 
     OUTPUT: ClassVar[list[int]] = list(range(900, 920))
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def health(self, _r: web.Request) -> web.Response:
-        return web.Response()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())

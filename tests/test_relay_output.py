@@ -20,7 +20,7 @@ from kvroute._core import TextModel, relay_answer_output
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
 from kvroute.proxy.keys import answer_output
 from kvroute.proxy.relay import RelayHooks
-from livekit import http
+from livekit import FakeEngine, http
 
 SCALARS = st.one_of(
     st.none(),
@@ -126,7 +126,7 @@ def test_vllm_answers_are_read_by_the_relay() -> None:
             assert got[0] == ([11, 12] if ids else None)
 
 
-class TextEngine:
+class TextEngine(FakeEngine):
     """A fake engine whose answers carry text only (no ``token_ids``), as vLLM's do unless
     asked: ``OUTPUT``, with ``completion_tokens`` its length in the test tokenizer's ids."""
 
@@ -134,15 +134,6 @@ class TextEngine:
 
     def __init__(self, generated: int) -> None:
         self.generated = generated
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def health(self, _r: web.Request) -> web.Response:
-        return web.Response()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
