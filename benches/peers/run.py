@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,15 +104,9 @@ class Outside:
     def _loop(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self._stop.is_set():
-            prompt = [rng.randrange(100, 30000) for _ in range(OUTSIDE_PROMPT_TOKENS)]
+            prompt = workloads.random_ids(rng, OUTSIDE_PROMPT_TOKENS)
             body = {"model": self.model, "prompt": prompt, "max_tokens": 16, "ignore_eos": True}
-            req = urllib.request.Request(
-                self.url + "/v1/completions",
-                json.dumps(body).encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=300) as resp:
-                resp.read()
+            workloads.post(self.url + "/v1/completions", body, timeout=300)
             self.done += 1
 
     def __enter__(self) -> Outside:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engines
 import routers
+import workloads
 from prometheus_client.parser import text_string_to_metric_families
 
 CLIENTS, PROMPT_TOKENS = 4, 512
@@ -41,16 +42,7 @@ SOURCES = ("engine", "router")
 
 
 def _post(url: str, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(
-        url + "/v1/completions", data, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        resp.read()
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 30000) for _ in range(n)]
+    workloads.post(url + "/v1/completions", body, timeout=300)
 
 
 def decisions(url: str) -> dict[str, float]:
@@ -86,7 +78,7 @@ def one_run(fleet: routers.Fleet, source: str, seed: int, log_dir: Path) -> dict
         def client(n: int) -> None:
             rng = random.Random(seed * 100 + n)
             while not stop.is_set():
-                body = {"model": fleet.model, "prompt": _prompt(rng, PROMPT_TOKENS)}
+                body = {"model": fleet.model, "prompt": workloads.random_ids(rng, PROMPT_TOKENS)}
                 try:
                     _post(router.url, {**body, "max_tokens": 16, "ignore_eos": True})
                 except OSError as exc:  # counted by the proxy; the next one goes on
@@ -95,7 +87,12 @@ def one_run(fleet: routers.Fleet, source: str, seed: int, log_dir: Path) -> dict
         def long(n: int) -> None:
             rng = random.Random(seed * 100 + 50 + n)
             _post(
-                first, {"model": fleet.model, "prompt": _prompt(rng, LONG_TOKENS), "max_tokens": 1}
+                first,
+                {
+                    "model": fleet.model,
+                    "prompt": workloads.random_ids(rng, LONG_TOKENS),
+                    "max_tokens": 1,
+                },
             )
 
         threads = [threading.Thread(target=client, args=(n,)) for n in range(CLIENTS)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,11 +61,17 @@ class Workload:
         return sum(len(s) for s in self.sessions)
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
+def post(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
+    """POST ``body`` as JSON to ``url``; the JSON answer."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    """``n`` random token ids of the model's vocabulary: a prompt no cache holds."""
+    return [rng.randrange(100, 30000) for _ in range(n)]
 
 
 def _generation(extra: dict[str, Any]) -> dict[str, Any]:
@@ -117,11 +124,11 @@ def agentic(
         for text in prompts:
             if chat:
                 msg = {"messages": [{"role": "user", "content": text}]}
-                tokens = _post(engine_url + "/tokenize", {"model": model, **msg})["tokens"]
+                tokens = post(engine_url + "/tokenize", {"model": model, **msg})["tokens"]
                 turns.append(Request("/v1/chat/completions", _generation(msg), tokens))
             else:
                 query = {"model": model, "prompt": text}
-                tokens = _post(engine_url + "/tokenize", query)["tokens"]
+                tokens = post(engine_url + "/tokenize", query)["tokens"]
                 turns.append(Request("/v1/completions", _generation({"prompt": text}), tokens))
         sessions.append(turns)
         ids.append(sid)
@@ -145,7 +152,7 @@ def prefix_repetition(
     requests = []
     for i in order:
         query = {"model": model, "prompt": prompts[i]}
-        tokens = _post(engine_url + "/tokenize", query)["tokens"]
+        tokens = post(engine_url + "/tokenize", query)["tokens"]
         requests.append(Request("/v1/completions", _generation({"prompt": prompts[i]}), tokens))
     return Workload("prefix-repetition", [[r] for r in requests], [None] * len(requests))
 
