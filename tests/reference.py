@@ -27,6 +27,7 @@ from kvroute.errors import (
     UnknownInstanceError,
     UnknownPolicyError,
 )
+from kvroute.sim import engine_params
 
 MASK64 = (1 << 64) - 1
 
@@ -42,6 +43,7 @@ POLICIES = [
     "power_of_two",
     "sglang_cache_aware",
     "dynamo_cost",
+    "ttft",
 ]
 
 # Policies that keep a session -> instance affinity. SEMANTICS.md §3 defines affinity for
@@ -124,6 +126,8 @@ class ReferenceRouter:
         overlap_weight: float = 1.0,
         temperature: float = 0.0,
         load_source: str = "router",
+        engine_profile: dict[str, float] | None = None,
+        ttft_slo_s: float = 0.0,
     ) -> None:
         if num_instances < 0:
             raise InvalidArgumentError(f"num_instances must be >= 0, got {num_instances}")
@@ -148,6 +152,7 @@ class ReferenceRouter:
             ("balance_rel", balance_rel),
             ("overlap_weight", overlap_weight),
             ("temperature", temperature),
+            ("ttft_slo_s", ttft_slo_s),
         ]:
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0")
@@ -162,6 +167,9 @@ class ReferenceRouter:
         self.balance_rel = balance_rel
         self.overlap_weight = overlap_weight
         self.temperature = temperature
+        # `ttft` predicts with the h20 preset's step costs under the profile's parameters.
+        self.ttft_costs = engine_params("h20-qwen3-coder-30b-a3b", **(engine_profile or {}))
+        self.ttft_slo_s = ttft_slo_s
         self.instances = [Instance() for _ in range(num_instances)]
         self.requests: dict[Any, InFlight] = {}
         self.affinity: OrderedDict[Any, int] = OrderedDict()  # least recently routed first
@@ -533,6 +541,8 @@ class ReferenceRouter:
             return self._sglang(avail, keys, n)
         if p == "dynamo_cost":
             return self._dynamo(avail, keys, n)
+        if p == "ttft":
+            return self._ttft(avail, keys, n)
         raise AssertionError(p)
 
     def _min_round_robin(self, avail: list[int], key: Any) -> tuple[int, str]:
@@ -544,6 +554,45 @@ class ReferenceRouter:
         winner = tied[self.rr % len(tied)]
         self.rr += 1
         return winner, "tie_break"
+
+    def predicted_ttft(self, i: int, new_prefill: int, n: int) -> float:
+        """Seconds until this request's first token on instance i (SEMANTICS §3 ``ttft``):
+        ``steps * per_step + prefill_s_per_token * work + prefill_s_per_pair * new * (hit +
+        new / 2) + admit_s_per_token * input_length + request_overhead_s``, where work is the
+        instance's pending prefill plus this request's, steps = ceil(work / batch) (>= 1), and
+        per_step the step overhead plus the decode terms of its running requests."""
+        c, inst = self.ttft_costs, self.instances[i]
+        work = min(inst.pending_prefill_tokens + new_prefill, U64_MAX)
+        steps = max(1, -(-work // int(c["max_num_batched_tokens"])))
+        per_step = (
+            c["step_overhead_s"]
+            + c["decode_s_per_seq"] * inst.num_requests
+            + c["decode_s_per_ctx_token"] * inst.ongoing_decode_tokens
+        )
+        new = float(new_prefill)
+        return (
+            steps * per_step
+            + c["prefill_s_per_token"] * work
+            + c["prefill_s_per_pair"] * new * ((n - new_prefill) + new / 2.0)
+            + c["admit_s_per_token"] * n
+            + c["request_overhead_s"]
+        )
+
+    def _ttft(self, avail: list[int], keys: list[int], n: int) -> tuple[int, str]:
+        """The least predicted time, LPWL's tie-breaks (new_prefill, num_requests, then
+        round robin). With ``ttft_slo_s`` > 0, first: among the instances predicted within
+        it, the least new_prefill, then the least predicted time, the same tie-breaks."""
+
+        def key(i: int) -> tuple[float, int, int]:
+            new = self.new_prefill(i, keys, n)
+            return (self.predicted_ttft(i, new, n), new, self.instances[i].num_requests)
+
+        if self.ttft_slo_s > 0:
+            within = [i for i in avail if key(i)[0] <= self.ttft_slo_s]
+            if within:
+                chosen, _ = self._min_round_robin(within, lambda i: (key(i)[1], *key(i)))
+                return chosen, "within_slo"
+        return self._min_round_robin(avail, key)
 
     def _power_of_two(self, avail: list[int]) -> int:
         """Two distinct seeded samples; the one with fewer requests, the first on a tie."""

@@ -59,6 +59,18 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
     if policy in ("dynamo_cost", "unified_dynamo"):
         kw["overlap_weight"] = draw(st.sampled_from([1.0, 0.0, 0.5, 2.0]))
         kw["temperature"] = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0, 3.0]))
+    if policy == "ttft":
+        kw["engine_profile"] = {
+            "step_overhead_s": draw(st.sampled_from([0.0065, 1e-6, 1.0])),
+            "prefill_s_per_token": draw(st.sampled_from([3.25e-5, 0.0, 0.5])),
+            "prefill_s_per_pair": draw(st.sampled_from([2.69e-8, 0.0, 0.25])),
+            "decode_s_per_seq": draw(st.sampled_from([7.9e-4, 0.0, 1.0])),
+            "decode_s_per_ctx_token": draw(st.sampled_from([3.9e-7, 0.0, 0.1])),
+            "admit_s_per_token": draw(st.sampled_from([2.55e-6, 0.0])),
+            "request_overhead_s": draw(st.sampled_from([0.0095, 0.0])),
+            "max_num_batched_tokens": draw(st.sampled_from([2048, 1, 4, 16])),
+        }
+        kw["ttft_slo_s"] = draw(st.sampled_from([0.0, 0.0, 0.02, 0.5, 2.0, 100.0]))
     return num_instances, kw
 
 

@@ -7,9 +7,11 @@ O(engines) HTTP calls per read.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +64,24 @@ def reset(urls: list[str], timeout_s: float = 120.0) -> None:
         req = urllib.request.Request(u + "/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(req, timeout=30) as resp:
             resp.read()
+
+
+def calibrate(fleet: Fleet, progress: Callable[[str], None] = print) -> dict[str, float]:
+    """Fit an engine profile of the fleet's engines (the short grid, ``kvroute calibrate``),
+    write it to ``fleet.profile`` and return its terms."""
+    from kvroute.sim.calibrate import calibrate as fit
+
+    assert fleet.profile is not None
+    started = time.monotonic()
+    doc = fit(list(fleet.urls), grid="short", model=fleet.model)
+    fleet.profile.parent.mkdir(parents=True, exist_ok=True)
+    fleet.profile.write_text(json.dumps(doc, indent=1) + "\n")
+    error = doc["fit"]["error"]["all"]
+    progress(
+        f"calibrated {fleet.profile.name} in {time.monotonic() - started:.0f} s "
+        f"(fit p50 {error['p50']:.1%}, max {error['max']:.1%})"
+    )
+    return dict(doc["params"])
 
 
 class Engines:

@@ -42,6 +42,8 @@ class Fleet:
     block_size: int
     model_dir: Path
     model: str
+    #: An engine profile of these engines (``kvroute calibrate``), for the arms that need one.
+    profile: Path | None = None
 
 
 #: An arm's command line after the router's executable, for a fleet, its port and a port for
@@ -61,12 +63,26 @@ class Arm:
     #: Router processes started alike, each request sent to the next in turn (replicas behind
     #: a load balancer that knows nothing of sessions).
     replicas: int = 1
+    #: Whether the arm reads the engines' profile (``Fleet.profile``).
+    needs_profile: bool = False
 
 
 def _kvroute(*extra: str) -> Argv:
     def argv(fleet: Fleet, port: int, _metrics: int) -> list[str]:
         backends = [a for url in fleet.urls for a in ("--backend", url)]
         return ["proxy", *backends, "--port", str(port), *extra]
+
+    return argv
+
+
+def _kvroute_ttft(*extra: str) -> Argv:
+    """``--policy ttft`` with the fleet's engine profile."""
+
+    def argv(fleet: Fleet, port: int, metrics: int) -> list[str]:
+        if fleet.profile is None:
+            raise RuntimeError("the ttft arms need the engines' profile")
+        profile = ["--policy", "ttft", "--engine-profile", str(fleet.profile)]
+        return _kvroute(*profile, *extra)(fleet, port, metrics)
 
     return argv
 
@@ -154,6 +170,18 @@ ARMS: dict[str, Arm] = {
                 _kvroute("--max-in-flight", str(n), "--queue-size", "1024"),
             )
             for n in (2, 3, 4)
+        ),
+        # Least predicted time to first token at the engines' calibrated costs; with a target
+        # (seconds), the most cache reuse among the engines predicted to meet it.
+        Arm("kvroute-ttft", "kvroute", _kvroute_ttft(), needs_profile=True),
+        *(
+            Arm(
+                f"kvroute-ttft-slo{t}",
+                "kvroute",
+                _kvroute_ttft("--ttft-slo", t),
+                needs_profile=True,
+            )
+            for t in ("0.1", "0.25")
         ),
     )
 }

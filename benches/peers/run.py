@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -302,8 +303,12 @@ def run(
     }  # fmt: skip
     for name in names:
         with engines.Engines(KV_BYTES[name], log_dir / "vllm") as eng:
-            work = build(name, eng.fleet, sessions, turns)
-            ceilings[name] = workloads.ceiling(work, eng.fleet.block_size)
+            fleet = eng.fleet
+            if any(a.needs_profile for a in arms):
+                fleet = dataclasses.replace(fleet, profile=log_dir / f"profile-{name}.json")
+                facts.setdefault("profiles", {})[name] = engines.calibrate(fleet, progress)
+            work = build(name, fleet, sessions, turns)
+            ceilings[name] = workloads.ceiling(work, fleet.block_size)
             facts["kv_bytes"][name] = KV_BYTES[name]
             facts["requests"][name] = work.requests
             for load in loads:
@@ -313,11 +318,11 @@ def run(
                     for arm in order:
                         try:
                             got = measure_arm(
-                                arm, eng.fleet, work, ceilings[name]["any_session"],
+                                arm, fleet, work, ceilings[name]["any_session"],
                                 LOADS[load], log_dir / "routers", peers_bin, outside,
                             )  # fmt: skip
                         except RuntimeError as exc:  # the router did not start
-                            got = _failed(work.requests, len(eng.fleet.urls), str(exc))
+                            got = _failed(work.requests, len(fleet.urls), str(exc))
                         runs.append(ArmRun(name, load, rnd, arm.name, **got))
                         progress(
                             f"{name} {load} round {rnd + 1}/{rounds} {arm.name}: "

@@ -154,6 +154,8 @@ class Router:
         pending_ttl_s: float = 10.0,
         affinity: Literal["map", "shared"] = "map",
         load_source: Literal["router", "engine"] = "router",
+        engine_profile: dict[str, float] | None = None,
+        ttft_slo_s: float = 0.0,
     ) -> Router: ...
     def route(
         self,

@@ -80,6 +80,19 @@ def _ready(what: str) -> Any:
     help="The served model's folder (tokenizer.json, chat template): text and chat prompts "
     "are keyed as vLLM tokenizes them, in Rust.",
 )
+@click.option(
+    "--engine-profile",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Engine profile from kvroute calibrate: the step costs --policy ttft predicts with.",
+)
+@click.option(
+    "--ttft-slo",
+    default=None,
+    type=Finite(min=0, min_open=True),
+    help="--policy ttft: seconds to first token to aim for; the engine with the most cache "
+    "reuse among those predicted to meet it [default: none: the least predicted time].",
+)
 @click.option("--session-header", default="X-Session-Id", show_default=True)
 @click.option(
     "--session-field",
@@ -211,6 +224,7 @@ def proxy(**kw: Any) -> None:
     """Serve an OpenAI-compatible, KV-cache-aware proxy in front of vLLM engines."""
     from kvroute.proxy import Proxy, ProxyConfig
     from kvroute.proxy.discover import block_size, model_folder
+    from kvroute.sim.profile import load_profile
 
     tokenizer = kw["tokenizer"]
     if kw["model_dir"] is not None:
@@ -227,6 +241,10 @@ def proxy(**kw: Any) -> None:
         click.echo(f"kvroute proxy: block size {block} ({why})", err=True)
     options = {"block_size": block, **_pairs(kw["router_opts"], "--router-option")}
     try:
+        if kw["engine_profile"] is not None:
+            options["engine_profile"] = load_profile(kw["engine_profile"])
+        if kw["ttft_slo"] is not None:
+            options["ttft_slo_s"] = kw["ttft_slo"]
         config = ProxyConfig(
             backends=list(kw["backends"]),
             policy=kw["policy"],
@@ -262,6 +280,8 @@ def proxy(**kw: Any) -> None:
     except (KvrouteError, TypeError) as exc:
         raise BadInput(str(exc)) from exc
     chosen = {k: v for k, v in config.policy_options().items() if k != "block_size"}
+    if "engine_profile" in chosen:
+        chosen["engine_profile"] = kw["engine_profile"]
     said = ", ".join(f"{k}={v}" for k, v in chosen.items())
     click.echo(f"kvroute proxy: policy {config.policy}" + (f" ({said})" if said else ""), err=True)
     click.echo(

@@ -116,6 +116,11 @@ class ProxyConfig:
             raise InvalidArgumentError(
                 f"unknown policy {self.policy!r}; known: {', '.join(kvroute.policies())}"
             )
+        if self.policy == "ttft" and "engine_profile" not in self.router_options:
+            raise InvalidArgumentError(
+                "policy ttft predicts seconds from the engines' step costs: give an engine "
+                "profile (kvroute proxy --engine-profile FILE; kvroute calibrate writes one)"
+            )
         names = ("max_body_bytes", "max_concurrency", "max_connections")
         for name in (*names, "unhealthy_after", "healthy_after"):
             if getattr(self, name) < 1:

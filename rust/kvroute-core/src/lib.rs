@@ -39,7 +39,7 @@ pub mod text;
 
 pub use error::{Error, Result};
 pub use picker::{Branch, InstanceLoad};
-pub use policy::{Policy, PolicyParams};
+pub use policy::{Policy, PolicyParams, TtftCosts};
 pub use router::{
     CacheRule, CacheView, Decision, EngineLoad, Id, InstanceState, LoadSource, OverloadRule, Router,
     RouterConfig,

@@ -7,7 +7,7 @@
 //! scratch list in [`PickState`]; the router holds it under its lock.
 
 use crate::keys::hit_tokens;
-use crate::policy::{Policy, PolicyParams};
+use crate::policy::{Policy, PolicyParams, TtftCosts};
 use crate::rng::SplitMix64;
 
 /// Counters of one instance, as the semantics page names them.
@@ -44,6 +44,8 @@ pub enum Branch {
     CacheMatch,
     /// `sglang_cache_aware`: match too short, instance with the fewest cached blocks.
     SmallestCache,
+    /// `ttft` with a target: the most cache reuse among the instances predicted to meet it.
+    WithinSlo,
 }
 
 impl Branch {
@@ -58,6 +60,7 @@ impl Branch {
             Branch::LoadBalance => "load_balance",
             Branch::CacheMatch => "cache_match",
             Branch::SmallestCache => "smallest_cache",
+            Branch::WithinSlo => "within_slo",
         }
     }
 }
@@ -114,13 +117,26 @@ impl PickInput<'_> {
     }
 
     /// The minimum of `(prefill_work × num_requests, new_prefill, num_requests)` (for
-    /// `weigh_by_requests`) or of `(prefill_work, new_prefill, num_requests)`; among several
-    /// instances at the minimum, `tied[rr % len]` and `rr += 1`. One tight pass that settles
-    /// most instances on the first term alone and lists the instances tied at the minimum so
-    /// far (this scan is most of a pick on a large cluster, and idle instances tie often).
+    /// `weigh_by_requests`) or of `(prefill_work, new_prefill, num_requests)`, exact.
     fn argmin_prefill(&self, state: &mut PickState, weigh_by_requests: bool) -> Option<(usize, Branch)> {
+        self.argmin_tied(state, |l, new_prefill| {
+            let work = u128::from(l.pending_prefill_tokens) + u128::from(new_prefill);
+            Some(if weigh_by_requests { work * u128::from(l.num_requests) } else { work })
+        })
+    }
+
+    /// The minimum of `(lead, new_prefill, num_requests)` over the available instances whose
+    /// `lead` is `Some`; among several instances at the minimum, `tied[rr % len]` and
+    /// `rr += 1`. One tight pass that settles most instances on `lead` alone and lists the
+    /// instances tied at the minimum so far (this scan is most of a pick on a large cluster,
+    /// and idle instances tie often).
+    fn argmin_tied<K: PartialOrd + Copy>(
+        &self,
+        state: &mut PickState,
+        lead: impl Fn(&InstanceLoad, u64) -> Option<K>,
+    ) -> Option<(usize, Branch)> {
         debug_assert_eq!(self.matched.len(), self.loads.len(), "these policies walk the cache");
-        let (mut best_first, mut best_rest) = (u128::MAX, (u64::MAX, u64::MAX));
+        let mut best: Option<(K, (u64, u64))> = None;
         let tied = &mut state.tied;
         tied.clear();
         for (i, (l, &m)) in self.loads.iter().zip(self.matched).enumerate() {
@@ -128,18 +144,17 @@ impl PickInput<'_> {
                 continue;
             }
             let new_prefill = self.new_prefill_of(m);
-            let work = u128::from(l.pending_prefill_tokens) + u128::from(new_prefill);
-            let lead = if weigh_by_requests { work * u128::from(l.num_requests) } else { work };
-            if lead > best_first {
-                continue;
-            }
+            let Some(k) = lead(l, new_prefill) else { continue };
             let rest = (new_prefill, l.num_requests);
-            if tied.is_empty() || lead < best_first || rest < best_rest {
-                (best_first, best_rest) = (lead, rest);
-                tied.clear();
-                tied.push(i as u32);
-            } else if rest == best_rest {
-                tied.push(i as u32);
+            match best {
+                Some((b, _)) if k > b => {}
+                Some((b, r)) if k == b && rest > r => {}
+                Some((b, r)) if k == b && rest == r => tied.push(i as u32),
+                _ => {
+                    best = Some((k, rest));
+                    tied.clear();
+                    tied.push(i as u32);
+                }
             }
         }
         match tied[..] {
@@ -203,7 +218,45 @@ pub(crate) fn pick(
         Policy::PowerOfTwo => power_of_two(input, state),
         Policy::SglangCacheAware => sglang_cache_aware(p, input),
         Policy::DynamoCost => dynamo_cost(p, input, state),
+        Policy::Ttft => match &p.ttft_costs {
+            Some(costs) => ttft(costs, p.ttft_slo_s, input, state),
+            // Router::new refuses `ttft` without costs.
+            None => input.argmin_prefill(state, false),
+        },
     }
+}
+
+/// Predicted seconds until the first token of a request of `input_length` tokens, of which
+/// `new_prefill` are not cached, on an instance with these counters (`docs/semantics.md` §3).
+pub fn predicted_ttft(c: &TtftCosts, load: &InstanceLoad, new_prefill: u64, input_length: u64) -> f64 {
+    let work = load.pending_prefill_tokens.saturating_add(new_prefill);
+    let steps = work.div_ceil(c.max_num_batched_tokens).max(1);
+    let per_step = c.step_overhead_s
+        + c.decode_s_per_seq * load.num_requests as f64
+        + c.decode_s_per_ctx_token * load.ongoing_decode_tokens as f64;
+    let hit = input_length - new_prefill;
+    let n = new_prefill as f64;
+    steps as f64 * per_step
+        + c.prefill_s_per_token * work as f64
+        + c.prefill_s_per_pair * n * (hit as f64 + n / 2.0)
+        + c.admit_s_per_token * input_length as f64
+        + c.request_overhead_s
+}
+
+/// `ttft`: with a target, the most cache reuse (then the least predicted time) among the
+/// instances predicted to meet it; otherwise, or when none does, the least predicted time.
+fn ttft(c: &TtftCosts, slo_s: f64, input: &PickInput<'_>, state: &mut PickState) -> Option<(usize, Branch)> {
+    let predict = |l: &InstanceLoad, new_prefill: u64| predicted_ttft(c, l, new_prefill, input.input_length);
+    if slo_s > 0.0 {
+        let within = input.argmin_tied(state, |l, new_prefill| {
+            let t = predict(l, new_prefill);
+            (t <= slo_s).then_some((new_prefill, t))
+        });
+        if let Some((i, _)) = within {
+            return Some((i, Branch::WithinSlo));
+        }
+    }
+    input.argmin_tied(state, |l, new_prefill| Some(predict(l, new_prefill)))
 }
 
 /// `unified`'s affinity gate: warm enough and not overloaded.

@@ -2,8 +2,10 @@
 //!
 //! Five policies from the study (`lmetric`, `load_only`, `sticky`, `unified`, `leastwork`,
 //! exactly as the semantics page), `unified_dynamo` (`unified`'s affinity gate with
-//! `dynamo_cost` as its fallback), and five industry ones for comparison (`round_robin`,
-//! `random`, `power_of_two`, `sglang_cache_aware`, `dynamo_cost`). Plain data, thread-safe.
+//! `dynamo_cost` as its fallback), `ttft` (LPWL in predicted seconds, from an engine
+//! profile's step costs, [`TtftCosts`]), and five industry ones for comparison
+//! (`round_robin`, `random`, `power_of_two`, `sglang_cache_aware`, `dynamo_cost`). Plain
+//! data, thread-safe.
 
 use crate::error::{Error, Result};
 
@@ -32,11 +34,14 @@ pub enum Policy {
     SglangCacheAware,
     /// Dynamo KV router's cost `overlap_weight * prefill_blocks + decode_blocks`.
     DynamoCost,
+    /// Least predicted time to first token at the profile's step costs, LPWL's tie-breaks;
+    /// with an SLO, the most cache reuse among the instances predicted to meet it.
+    Ttft,
 }
 
 impl Policy {
     /// Every policy, in the order `kvroute.policies()` lists them.
-    pub const ALL: [Policy; 11] = [
+    pub const ALL: [Policy; 12] = [
         Policy::Lmetric,
         Policy::LoadOnly,
         Policy::Sticky,
@@ -48,6 +53,7 @@ impl Policy {
         Policy::PowerOfTwo,
         Policy::SglangCacheAware,
         Policy::DynamoCost,
+        Policy::Ttft,
     ];
 
     /// The policy's public name.
@@ -64,6 +70,7 @@ impl Policy {
             Policy::PowerOfTwo => "power_of_two",
             Policy::SglangCacheAware => "sglang_cache_aware",
             Policy::DynamoCost => "dynamo_cost",
+            Policy::Ttft => "ttft",
         }
     }
 
@@ -82,6 +89,7 @@ impl Policy {
                 | Policy::UnifiedDynamo
                 | Policy::SglangCacheAware
                 | Policy::DynamoCost
+                | Policy::Ttft
         )
     }
 }
@@ -104,6 +112,59 @@ pub struct PolicyParams {
     pub overlap_weight: f64,
     /// `dynamo_cost`, `unified_dynamo`: 0 takes the argmin; above 0, softmax sampling over the negated costs.
     pub temperature: f64,
+    /// `ttft`: the engines' step costs; required by `ttft`, read by no other policy.
+    pub ttft_costs: Option<TtftCosts>,
+    /// `ttft`: the time-to-first-token target in seconds; 0 = no target.
+    pub ttft_slo_s: f64,
+}
+
+/// The step-time terms `ttft` predicts with: an engine profile's (`kvroute calibrate`), or
+/// the simulated engine's. Seconds; see `docs/semantics.md` §3 `ttft`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TtftCosts {
+    /// Fixed cost of an engine step.
+    pub step_overhead_s: f64,
+    /// Per new prefill token.
+    pub prefill_s_per_token: f64,
+    /// Per attended (new token, context token) pair of this request's prefill.
+    pub prefill_s_per_pair: f64,
+    /// Per running request, every step.
+    pub decode_s_per_seq: f64,
+    /// Per context token of the decoding requests, every step.
+    pub decode_s_per_ctx_token: f64,
+    /// Per prompt token of this request, cached or not (its admission).
+    pub admit_s_per_token: f64,
+    /// Outside the engine's steps (API server, HTTP).
+    pub request_overhead_s: f64,
+    /// Prefill tokens one step takes at most (`max_num_batched_tokens`).
+    pub max_num_batched_tokens: u64,
+}
+
+impl TtftCosts {
+    fn validate(&self) -> Result<()> {
+        let terms = [
+            ("step_overhead_s", self.step_overhead_s),
+            ("prefill_s_per_token", self.prefill_s_per_token),
+            ("prefill_s_per_pair", self.prefill_s_per_pair),
+            ("decode_s_per_seq", self.decode_s_per_seq),
+            ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
+            ("admit_s_per_token", self.admit_s_per_token),
+            ("request_overhead_s", self.request_overhead_s),
+        ];
+        for (name, value) in terms {
+            if !value.is_finite() || value < 0.0 {
+                return Err(Error::InvalidArgument(format!(
+                    "ttft cost {name} must be a finite number >= 0, got {value}"
+                )));
+            }
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err(Error::InvalidArgument(
+                "ttft cost max_num_batched_tokens must be positive, got 0".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for PolicyParams {
@@ -116,6 +177,8 @@ impl Default for PolicyParams {
             balance_rel: 1.1,
             overlap_weight: 1.0,
             temperature: 0.0,
+            ttft_costs: None,
+            ttft_slo_s: 0.0,
         }
     }
 }
@@ -130,6 +193,7 @@ impl PolicyParams {
             ("balance_rel", self.balance_rel, 0.0),
             ("overlap_weight", self.overlap_weight, 0.0),
             ("temperature", self.temperature, 0.0),
+            ("ttft_slo_s", self.ttft_slo_s, 0.0),
         ];
         for (name, value, min) in checks {
             if !value.is_finite() || value < min {
@@ -137,6 +201,17 @@ impl PolicyParams {
                     "{name} must be a finite number >= {min}, got {value}"
                 )));
             }
+        }
+        self.ttft_costs.as_ref().map_or(Ok(()), TtftCosts::validate)
+    }
+
+    /// [`validate`](Self::validate), and what `policy` needs: `ttft` its costs.
+    pub fn validate_for(&self, policy: Policy) -> Result<()> {
+        self.validate()?;
+        if policy == Policy::Ttft && self.ttft_costs.is_none() {
+            return Err(Error::InvalidArgument(
+                "policy ttft needs the engines' step costs (an engine profile from kvroute calibrate)".into(),
+            ));
         }
         Ok(())
     }

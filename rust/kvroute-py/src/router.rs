@@ -16,6 +16,7 @@ use pyo3::types::PyDict;
 use crate::convert::{self, count, id, keys, optional_id, IntArg, RealArg, TextArg};
 use crate::errors::{invalid, to_py};
 use crate::kv_events::{applied_dict, batch_of, view_dict};
+use crate::sim::build_params;
 
 /// A KV-cache-aware router over `num_instances` engines (see the `kvroute` docs).
 #[pyclass(frozen, name = "Router", module = "kvroute._core")]
@@ -36,6 +37,9 @@ impl PyRouter {
     }
 }
 
+/// The engine preset whose costs `ttft` predicts with, under the profile's parameters.
+const TTFT_PRESET: &str = "h20-qwen3-coder-30b-a3b";
+
 /// The largest size argument (blocks, sessions, tokens) a router takes: 2**40.
 const MAX_SIZE: i128 = 1 << 40;
 
@@ -52,11 +56,11 @@ impl PyRouter {
         seed = IntArg::of(0), cache_threshold = RealArg::of(0.5), balance_abs = IntArg::of(32),
         balance_rel = RealArg::of(1.1), overlap_weight = RealArg::of(1.0), temperature = RealArg::of(0.0),
         cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map"),
-        load_source = TextArg::of("router")),
+        load_source = TextArg::of("router"), engine_profile = None, ttft_slo_s = RealArg::of(0.0)),
         text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
         cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
         balance_abs=32, balance_rel=1.1, overlap_weight=1.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map', \
-        load_source='router')")]
+        load_source='router', engine_profile=None, ttft_slo_s=0.0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -78,6 +82,8 @@ impl PyRouter {
         pending_ttl_s: RealArg,
         affinity: TextArg,
         load_source: TextArg,
+        engine_profile: Option<Bound<'_, PyDict>>,
+        ttft_slo_s: RealArg,
     ) -> PyResult<Self> {
         let max_instances = MAX_INSTANCES as i128;
         let n: usize = num_instances.get(py, "num_instances", 0, max_instances)?;
@@ -97,6 +103,8 @@ impl PyRouter {
                 balance_rel: real(&balance_rel, "balance_rel")?,
                 overlap_weight: real(&overlap_weight, "overlap_weight")?,
                 temperature: real(&temperature, "temperature")?,
+                ttft_costs: Some(build_params(py, TTFT_PRESET, engine_profile.as_ref())?.ttft_costs()),
+                ttft_slo_s: real(&ttft_slo_s, "ttft_slo_s")?,
             },
             cache_view: CacheView::from_name(cache_view.get(py, "cache_view")?).map_err(|e| to_py(py, e))?,
             pending_ttl: Duration::from_secs_f64(pending_ttl_s.get(py, "pending_ttl_s", 0.0)?.min(1e9)),

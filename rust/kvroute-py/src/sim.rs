@@ -144,6 +144,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                 "balance_rel" => &mut params.balance_rel,
                 "overlap_weight" => &mut params.overlap_weight,
                 "temperature" => &mut params.temperature,
+                "ttft_slo_s" => &mut params.ttft_slo_s,
                 "balance_abs" => {
                     let v: f64 = v.extract()?;
                     if !(v >= 0.0 && v.fract() == 0.0) {
@@ -157,7 +158,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         py,
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
-                         cache_threshold, balance_abs, balance_rel, overlap_weight, temperature"
+                         cache_threshold, balance_abs, balance_rel, overlap_weight, temperature, ttft_slo_s"
                         ),
                     ))
                 }

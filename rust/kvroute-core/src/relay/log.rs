@@ -1,8 +1,8 @@
 //! The relay's JSONL decision log: one object per routing decision (request, session,
 //! attempt, instance, backend, branch, input length, estimated hit, new prefill, the wait in
 //! the admission queue, and per
-//! instance the score terms seen just before the decision), the shape `docs/proxy.md`
-//! documents.
+//! instance the score terms seen just before the decision, with `ttft`'s predicted time),
+//! the shape `docs/proxy.md` documents.
 //!
 //! Lines are buffered and written out at least once a second (on the next decision, or by
 //! [`DecisionLog::flush`]). O(instances) per decision; shared by all the relay's tasks
@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use super::reply::json_str;
 use crate::jobs::locked;
-use crate::{Decision, Id, Router};
+use crate::picker::predicted_ttft;
+use crate::{Decision, Id, Policy, Router};
 
 /// Per-instance score terms before a decision.
 pub(super) struct Terms(Vec<u8>);
@@ -27,6 +28,10 @@ impl Terms {
         let hits = router.estimate_cache_hits(keys, input_length);
         let mut out = b"[".to_vec();
         let read = router.policy_loads_now();
+        let costs = match router.policy() {
+            Policy::Ttft => router.config().params.ttft_costs.as_ref(),
+            _ => None,
+        };
         for (i, ((hit, st), load)) in hits.iter().zip(router.state()).zip(read).enumerate() {
             let new = input_length.saturating_sub(*hit);
             let pending = load.pending_prefill_tokens;
@@ -37,20 +42,24 @@ impl Terms {
                 out,
                 "{{\"instance\":{i},\"available\":{},\"hit_tokens\":{hit},\"new_prefill\":{new},\
                  \"pending_prefill_tokens\":{pending},\"num_requests\":{},\"lmetric_score\":{},\
-                 \"cache_view\":\"{}\",\"overloaded\":{},\"engine\":",
+                 \"cache_view\":\"{}\",\"overloaded\":{}",
                 st.load.available,
                 load.num_requests,
                 (pending + new).saturating_mul(load.num_requests),
                 st.cache_view,
                 st.overloaded,
             );
+            if let Some(c) = costs {
+                let _ =
+                    write!(out, ",\"predicted_ttft_s\":{:.6}", predicted_ttft(c, &load, new, input_length));
+            }
             let _ = match st.engine {
                 Some(e) => write!(
                     out,
-                    "{{\"running\":{},\"waiting\":{},\"kv_usage\":{},\"sent_since\":{},\"outside\":{}}}}}",
+                    ",\"engine\":{{\"running\":{},\"waiting\":{},\"kv_usage\":{},\"sent_since\":{},\"outside\":{}}}}}",
                     e.running, e.waiting, e.kv_usage, e.sent_since, e.outside
                 ),
-                None => write!(out, "null}}"),
+                None => write!(out, ",\"engine\":null}}"),
             };
         }
         out.push(b']');

@@ -114,7 +114,7 @@ impl Router {
                 "cache_capacity_blocks must be positive or None (unbounded), got 0".into(),
             ));
         }
-        config.params.validate()?;
+        config.params.validate_for(policy)?;
         Ok(Self {
             policy,
             loads: vec![InstanceLoad { available: true, ..InstanceLoad::default() }; num_instances],

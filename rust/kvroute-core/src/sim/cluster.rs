@@ -120,7 +120,11 @@ pub fn run(
             cache_rule: crate::CacheRule::Trace,
             max_sessions: None,
             seed: cfg.seed,
-            params: cfg.params.clone(),
+            params: PolicyParams {
+                // `ttft` predicts with the simulated engine's own costs unless given others.
+                ttft_costs: cfg.params.ttft_costs.clone().or_else(|| Some(ep.ttft_costs())),
+                ..cfg.params.clone()
+            },
             ..RouterConfig::default()
         },
     )?;

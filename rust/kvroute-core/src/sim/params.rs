@@ -21,6 +21,7 @@
 //! reserved_bytes`, over `kv_bytes_per_token`. Plain data; O(1) everywhere; thread-safe.
 
 use crate::error::{Error, Result};
+use crate::policy::TtftCosts;
 
 /// Every parameter of one engine. Build with [`EngineParams::preset`], then [`set`](Self::set).
 #[derive(Debug, Clone, PartialEq)]
@@ -188,6 +189,20 @@ impl EngineParams {
             }
         }
         Ok(())
+    }
+
+    /// The step costs the `ttft` policy predicts with.
+    pub fn ttft_costs(&self) -> TtftCosts {
+        TtftCosts {
+            step_overhead_s: self.step_overhead_s,
+            prefill_s_per_token: self.prefill_s_per_token,
+            prefill_s_per_pair: self.prefill_s_per_pair,
+            decode_s_per_seq: self.decode_s_per_seq,
+            decode_s_per_ctx_token: self.decode_s_per_ctx_token,
+            admit_s_per_token: self.admit_s_per_token,
+            request_overhead_s: self.request_overhead_s,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+        }
     }
 
     /// Every parameter by name (derived capacity filled in), for reports and run metadata.

@@ -1,0 +1,133 @@
+"""The ``ttft`` policy (``docs/semantics.md`` §3): the least predicted time to first token at
+an engine profile's step costs, and with a target the most cache reuse that meets it; the
+proxy's ``--engine-profile`` and ``--ttft-slo``; the simulator. The rule itself is held to the
+plain reference by ``test_parity.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvroute
+from kvroute.errors import InvalidArgumentError
+from kvroute.proxy import ProxyConfig
+from kvroute.sim.profile import FORMAT, VERSION
+from livekit import http, small_trace, spawn
+
+#: Step costs that make the arithmetic easy: 10 ms a step, 1 ms a prefill token, 1 ms per
+#: running request per step, 64 tokens a step.
+COSTS = {
+    "step_overhead_s": 0.01,
+    "prefill_s_per_token": 0.001,
+    "prefill_s_per_pair": 0.0,
+    "decode_s_per_seq": 0.001,
+    "decode_s_per_ctx_token": 0.0,
+    "admit_s_per_token": 0.0,
+    "request_overhead_s": 0.0,
+    "max_num_batched_tokens": 64,
+}
+PREFIX = list(range(1, 9))  # 8 blocks of 4 tokens
+
+
+def warmed(**kw: Any) -> kvroute.Router:
+    """Two instances; instance 0 holds PREFIX and is busy prefilling 6,400 other tokens."""
+    r = kvroute.Router(2, "ttft", block_size=4, engine_profile=COSTS, **kw)
+    r.set_available(1, False)
+    assert r.route("warm", PREFIX, 32) == 0
+    r.finish("warm")
+    assert r.route("long", list(range(100, 1700)), 6400) == 0
+    r.set_available(1, True)
+    return r
+
+
+def test_a_prefix_goes_where_it_is_cached_while_that_is_quickest() -> None:
+    r = kvroute.Router(2, "ttft", block_size=4, engine_profile=COSTS)
+    r.set_available(1, False)
+    r.route("warm", PREFIX, 32)
+    r.finish("warm")
+    r.set_available(1, True)
+    # Instance 0 prefills 4 tokens (14 ms), instance 1 all 36 (46 ms).
+    d = r.route_info("next", [*PREFIX, 9], 36)
+    assert (d["instance"], d["branch"], d["new_prefill"]) == (0, "score", 4)
+
+
+def test_a_busy_cached_engine_loses_to_an_idle_one() -> None:
+    # On 0: 6,404 tokens of prefill in 101 steps at 11 ms (1.11 s) plus 6.40 s of tokens;
+    # on 1: 36 tokens in one 10 ms step plus 36 ms.
+    d = warmed().route_info("next", [*PREFIX, 9], 36)
+    assert (d["instance"], d["branch"], d["new_prefill"]) == (1, "score", 36)
+
+
+@pytest.mark.parametrize(("slo", "instance"), [(10.0, 0), (1.0, 1)])
+def test_a_target_takes_the_most_reuse_that_meets_it(slo: float, instance: int) -> None:
+    # 7.5 s predicted on the cached engine: within 10 s it wins on reuse; not within 1 s.
+    d = warmed(ttft_slo_s=slo).route_info("next", [*PREFIX, 9], 36)
+    assert (d["instance"], d["branch"]) == (instance, "within_slo")
+
+
+def test_no_engine_meets_the_target_then_the_quickest() -> None:
+    d = warmed(ttft_slo_s=0.001).route_info("next", [*PREFIX, 9], 36)
+    assert (d["instance"], d["branch"]) == (1, "score")
+
+
+def test_bad_costs_and_targets_are_named() -> None:
+    with pytest.raises(InvalidArgumentError, match="decode_s_per_seq"):
+        kvroute.Router(2, "ttft", engine_profile={**COSTS, "decode_s_per_seq": -1.0})
+    with pytest.raises(InvalidArgumentError, match="ttft_slo_s"):
+        kvroute.Router(2, "ttft", ttft_slo_s=float("nan"))
+    with pytest.raises(InvalidArgumentError, match="unknown engine parameter"):
+        kvroute.Router(2, "ttft", engine_profile={"step": 1.0})
+
+
+def test_the_proxy_needs_a_profile_for_ttft() -> None:
+    with pytest.raises(InvalidArgumentError, match="engine profile"):
+        ProxyConfig(backends=["http://127.0.0.1:9"], policy="ttft")
+
+
+def profile(path: Path) -> Path:
+    path.write_text(json.dumps({"format": FORMAT, "version": VERSION, "params": COSTS}))
+    return path
+
+
+def test_proxy_routes_with_a_profile_and_logs_its_predictions(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.jsonl"
+    engines = [spawn("engine", "--model", "m") for _ in range(2)]
+    proxy = None
+    try:
+        backends = [a for e in engines for a in ("--backend", e.url)]
+        proxy = spawn(
+            "proxy", *backends, "--policy", "ttft", "--engine-profile",
+            str(profile(tmp_path / "p.json")), "--decision-log", str(log),
+        )  # fmt: skip
+        prompt = list(range(2000))
+        for turn in range(3):
+            prompt = prompt + list(range(5000 + 100 * turn, 5100 + 100 * turn))
+            status, _, _ = http(
+                "POST", proxy.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1}
+            )
+            assert status == 200
+    finally:
+        for p in [proxy, *engines]:
+            if p is not None:
+                p.stop()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == 3
+    # Every turn after the first goes where the conversation is cached (the engines idle).
+    assert len({d["instance"] for d in lines}) == 1
+    for d in lines:
+        predicted = [t["predicted_ttft_s"] for t in d["terms"]]
+        assert predicted[d["instance"]] == min(predicted)
+    assert lines[2]["estimated_hit_tokens"] > 0
+
+
+def test_simulator_runs_ttft_with_the_engines_own_costs(tmp_path: Path) -> None:
+    trace = small_trace(sessions=6, turns=4)
+    plain = kvroute.sim.simulate(trace, instances=2, policy="ttft", mode="tracets")
+    slo = kvroute.sim.simulate(trace, instances=2, policy="ttft", mode="tracets", ttft_slo_s=5.0)
+    for res in (plain, slo):
+        assert len(res.records) == trace.num_rows
+    with pytest.raises(InvalidArgumentError, match="ttft_slo_s"):
+        kvroute.sim.simulate(trace, instances=2, policy="ttft", ttft_slo_s=-1.0)
