@@ -84,7 +84,9 @@ def stack(n: int, **config: Any) -> Iterator[tuple[str, Proxy, list[GatedEngine]
 
 def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None:
     log = tmp_path / "decisions.jsonl"
-    with stack(2, queue_size=8, decision_log=str(log)) as (url, proxy, (e0, e1)):
+    # Without patience the first waiting takes whichever engine frees, preferred or not.
+    config = {"queue_size": 8, "decision_log": str(log), "queue_patience_s": 0.0}
+    with stack(2, **config) as (url, proxy, (e0, e1)):
         first = send(url, [1])
         wait_until(lambda: e0.arrived == 1, what="engine 0 busy")
         second = send(url, [2])
@@ -109,6 +111,55 @@ def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None
         proxy.flush_decision_log()
         waits = [json.loads(line)["queue_wait_s"] for line in log.read_text().splitlines()]
         assert waits[:2] == [0, 0] and waits[2] > 0
+
+
+PREFIX = list(range(4096))  # 8 blocks of 512 tokens
+
+
+def test_a_waiting_request_waits_for_the_engine_holding_its_prefix() -> None:
+    """``leastwork``: a request whose prefix engine 0 holds prefers engine 0; while engine 0 is
+    full it waits for it (engine 1 idle), and a later request that prefers engine 1 passes it;
+    when engine 0 frees, the waiting one goes there."""
+    with stack(2, policy="leastwork", queue_size=8, queue_patience_s=30.0) as (url, proxy, (e0, e1)):
+        warm = send(url, PREFIX)
+        wait_until(lambda: e0.arrived == 1, what="the prefix on engine 0")
+        e0.release()
+        warm["thread"].join()
+        busy = send(url, [*PREFIX, 1])
+        wait_until(lambda: e0.arrived == 2, what="engine 0 busy with the prefix again")
+        cached = send(url, [*PREFIX, 2])
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="it to wait for engine 0")
+        fresh = send(url, list(range(10_000, 14_096)))  # prefers the idle engine 1
+        wait_until(lambda: e1.arrived == 1, what="the fresh prompt on engine 1")
+        assert queue(proxy)["waiting"] == 1 and e0.arrived == 2
+        e0.release()
+        wait_until(lambda: e0.arrived == 3, what="the waiting one on engine 0")
+        e0.release()
+        e1.release()
+        for r in (busy, cached, fresh):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert e0.served == [PREFIX, [*PREFIX, 1], [*PREFIX, 2]]
+        assert e1.served == [list(range(10_000, 14_096))]
+
+
+def test_past_its_patience_the_first_waiting_takes_any_engine_with_room() -> None:
+    with stack(2, policy="leastwork", queue_size=8, queue_patience_s=0.3) as (url, proxy, (e0, e1)):
+        warm = send(url, PREFIX)
+        wait_until(lambda: e0.arrived == 1, what="the prefix on engine 0")
+        e0.release()
+        warm["thread"].join()
+        busy = send(url, [*PREFIX, 1])
+        wait_until(lambda: e0.arrived == 2, what="engine 0 busy")
+        cached = send(url, [*PREFIX, 2])
+        wait_until(lambda: e1.arrived == 1, what="it to give up on engine 0")
+        e0.release()
+        e1.release()
+        for r in (busy, cached):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert e1.served == [[*PREFIX, 2]]
+        assert sum(queue(proxy)["wait"][0]) == 1
 
 
 def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
@@ -187,7 +238,10 @@ def test_without_a_queue_overloaded_engines_all_take_part() -> None:
         assert queue(proxy)["queued"] == 0
 
 
-@pytest.mark.parametrize("bad", [{"queue_size": -1}, {"max_in_flight": 0}, {"queue_timeout_s": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"queue_size": -1}, {"max_in_flight": 0}, {"queue_timeout_s": 0}, {"queue_patience_s": -1}],
+)
 def test_admission_options_are_checked(bad: dict[str, Any]) -> None:
     with pytest.raises(Exception, match=next(iter(bad))):
         ProxyConfig(backends=["http://127.0.0.1:1"], **bad)

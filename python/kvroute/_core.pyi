@@ -275,6 +275,7 @@ class Relay:
         model: TextModel | None = None,
         queue_size: int | None = None,
         queue_timeout_s: float = 30.0,
+        queue_patience_s: float = 0.5,
         priority_header: str = "x-priority",
     ) -> Relay: ...
     def set_backend(

@@ -164,6 +164,14 @@ def _ready(what: str) -> Any:
     help="Seconds a request waits in the queue at most (then 503 with Retry-After).",
 )
 @click.option(
+    "--queue-patience",
+    default=0.5,
+    show_default=True,
+    type=Finite(min=0),
+    help="Seconds a queued request waits for the engine its policy prefers before the first "
+    "in the queue takes any engine with room.",
+)
+@click.option(
     "--priority-header",
     default="X-Priority",
     show_default=True,
@@ -265,6 +273,7 @@ def proxy(**kw: Any) -> None:
             max_in_flight=kw["max_in_flight"],
             queue_size=kw["queue_size"],
             queue_timeout_s=kw["queue_timeout"],
+            queue_patience_s=kw["queue_patience"],
             priority_header=kw["priority_header"],
             unhealthy_after=kw["unhealthy_after"],
             healthy_after=kw["healthy_after"],

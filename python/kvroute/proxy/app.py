@@ -139,6 +139,7 @@ class Proxy:
             model=self.keyer.model,
             queue_size=c.queue_size,
             queue_timeout_s=c.queue_timeout_s,
+            queue_patience_s=c.queue_patience_s,
             priority_header=c.priority_header,
         )
         self.pool.attach(self._relay)

@@ -86,6 +86,9 @@ class ProxyConfig:
     queue_size: int | None = None
     #: Longest wait in the queue, in seconds (then 503 with ``Retry-After``).
     queue_timeout_s: float = 30.0
+    #: Seconds a queued request waits for the engine its policy prefers before the first in
+    #: the queue takes any engine with room.
+    queue_patience_s: float = 0.5
     #: Header with a request's priority in the queue (an integer, higher first; 0 without).
     priority_header: str = "X-Priority"
     health_timeout_s: float = 2.0
@@ -140,6 +143,8 @@ class ProxyConfig:
             raise InvalidArgumentError("max_in_flight must be at least 1")
         if self.queue_size is not None and self.queue_size < 0:
             raise InvalidArgumentError("queue_size must be at least 0")
+        if not 0 <= self.queue_patience_s < 1e9:
+            raise InvalidArgumentError("queue_patience_s must be a number of seconds >= 0")
         if self.overload_kv_usage is not None and not 0 <= self.overload_kv_usage <= 1:
             raise InvalidArgumentError("overload_kv_usage must be in [0, 1]")
         if self.load_source not in ("router", "engine"):

@@ -1,24 +1,32 @@
-//! Admission at the router: while no engine has room (each is overloaded by the router's
-//! rule: its reported waiting requests or KV usage, or its requests in flight at the cap),
-//! generation requests wait in a bounded queue, and each is routed (bound to an engine) only
-//! when one has room, on the cache and load view of that moment (late binding).
+//! Admission at the router: while the engine a request's policy prefers has no room (it is
+//! overloaded by the router's rule: its reported waiting requests or KV usage, or its
+//! requests in flight at the cap), generation requests wait in a bounded queue, and each is
+//! routed (bound to an engine) only when one has room, on the cache and load view of that
+//! moment (late binding).
+//!
+//! Binding: a waiting request goes to the engine its policy picks among all the available
+//! engines, overloaded ones included (its preferred engine, [`crate::Router::preferred`],
+//! looked at again at each wake), as soon as that engine has room and no request before it
+//! in the queue's order prefers the same engine. After `patience` in the queue, the first
+//! request in the order takes any engine with room (the policy's pick among those), so an
+//! engine does not idle long while the queue waits for another.
 //!
 //! Order: a higher priority first (the priority header, an integer, 0 without it); within a
 //! priority, a session's n-th waiting request after every other session's (n-1)-th (so a
 //! session with many requests waiting does not starve the others; a request without a
-//! session is a session of its own), then arrival. A request that finds others waiting waits
-//! behind them even when an engine has room. Past the queue's bound, or after `max_wait` in
-//! it, the answer is 503 with `Retry-After`; a request whose client goes away leaves the queue
-//! with its future (its [`Ticket`] drops) and leaves no other trace. Retries of a request
-//! already routed do not wait again.
+//! session is a session of its own), then arrival. Past the queue's bound, or after
+//! `max_wait` in it, the answer is 503 with `Retry-After`; a request whose client goes away
+//! leaves the queue with its future (its [`Ticket`] drops) and leaves no other trace.
+//! Retries of a request already routed do not wait again.
 //!
 //! The first waiter is woken when a request ends ([`Admission::wake`], from the job's end) and
 //! every [`POLL`] (engine reports and health changes come from the control plane). O(log n) to
-//! enter and leave a queue of n; the queue is locked briefly, never with the router's lock
-//! held across an await. Shared by the relay's tasks.
+//! enter and leave a queue of n, O(n) to look for an earlier request preferring the same
+//! engine; the queue is locked briefly, never with the router's lock held across an await.
+//! Shared by the relay's tasks.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -38,6 +46,8 @@ pub struct AdmissionConfig {
     pub queue: usize,
     /// Longest wait in the queue (503 after).
     pub max_wait: Duration,
+    /// How long a request waits for its preferred engine before it takes any with room.
+    pub patience: Duration,
     /// Lower-case name of the header with a request's priority (an integer, higher first).
     pub priority_header: String,
 }
@@ -48,7 +58,8 @@ type Place = (Reverse<i64>, u64, u64);
 #[derive(Default)]
 struct Queue {
     arrivals: u64,
-    order: BTreeSet<Place>,
+    /// Waiting requests in order, each with its preferred engine when last looked at.
+    order: BTreeMap<Place, Option<usize>>,
     /// Requests waiting per session.
     sessions: HashMap<Id, u64>,
 }
@@ -103,7 +114,7 @@ impl Admission {
         };
         let place = (Reverse(priority), round, q.arrivals);
         q.arrivals += 1;
-        q.order.insert(place);
+        q.order.insert(place, None);
         stats.queue.queued.fetch_add(1, Relaxed);
         Some(Ticket { admission: self, place, session: session.cloned(), since: Instant::now() })
     }
@@ -117,7 +128,20 @@ impl Admission {
 impl Ticket<'_> {
     /// Whether this request is the first in the queue's order.
     pub fn is_first(&self) -> bool {
-        self.admission.locked().order.first() == Some(&self.place)
+        self.admission.locked().order.first_key_value().map(|(p, _)| p) == Some(&self.place)
+    }
+
+    /// Record the engine this request prefers now (None: none is available).
+    pub fn prefer(&self, instance: Option<usize>) {
+        if let Some(p) = self.admission.locked().order.get_mut(&self.place) {
+            *p = instance;
+        }
+    }
+
+    /// Whether no request before this one in the order prefers `instance`.
+    pub fn first_for(&self, instance: usize) -> bool {
+        let q = self.admission.locked();
+        !q.order.range(..self.place).any(|(_, p)| *p == Some(instance))
     }
 }
 
@@ -146,6 +170,7 @@ mod tests {
         Admission::new(AdmissionConfig {
             queue,
             max_wait: Duration::from_secs(1),
+            patience: Duration::ZERO,
             priority_header: "x-priority".into(),
         })
     }
@@ -168,6 +193,23 @@ mod tests {
         drop(second_of_s1);
         assert_eq!((a.waiting(), a.locked().sessions.len()), (0, 0));
         assert_eq!(stats.queue.queued.load(Relaxed), 4);
+    }
+
+    #[test]
+    fn an_engine_goes_to_the_first_request_preferring_it() {
+        let (a, stats) = (admission(8), Stats::default());
+        let (first, second, third) = (
+            a.enter(0, None, &stats).unwrap(),
+            a.enter(0, None, &stats).unwrap(),
+            a.enter(0, None, &stats).unwrap(),
+        );
+        first.prefer(Some(1));
+        second.prefer(Some(0));
+        third.prefer(Some(1));
+        assert!(first.first_for(1) && second.first_for(0) && !second.first_for(1));
+        assert!(!third.first_for(1) && !third.first_for(0) && third.first_for(2));
+        drop(first);
+        assert!(third.first_for(1));
     }
 
     #[test]

@@ -24,7 +24,7 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
 
-use super::admission::POLL;
+use super::admission::{Ticket, POLL};
 use super::job::{output, At, Job};
 use super::log::{Record, Terms};
 use super::pool::{Failure, Upstream};
@@ -266,9 +266,9 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
         })?,
     };
     if adm.waiting() == 0 {
-        let mut router = locked(&sh.router);
-        if room_or_none(&router) {
-            return Ok((route(&mut router, sh, &job.rid, keyed, &[]), 0.0));
+        let patient = !adm.config.patience.is_zero();
+        if let Some(routed) = try_admit(&mut locked(&sh.router), job, None, patient) {
+            return Ok((routed, 0.0));
         }
     }
     let Some(ticket) = adm.enter(priority, keyed.session.as_ref(), &sh.stats) else {
@@ -278,15 +278,11 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
     let deadline = ticket.since + adm.config.max_wait;
     loop {
         let woken = adm.woken(); // before looking: a wake-up after the look is not missed
-        if ticket.is_first() {
-            let mut router = locked(&sh.router);
-            if room_or_none(&router) {
-                let routed = route(&mut router, sh, &job.rid, keyed, &[]);
-                drop(router);
-                let waited = ticket.since.elapsed();
-                sh.stats.queue.wait.observe(waited);
-                return Ok((routed, waited.as_secs_f64()));
-            }
+        let patient = ticket.since.elapsed() < adm.config.patience;
+        if let Some(routed) = try_admit(&mut locked(&sh.router), job, Some(&ticket), patient) {
+            let waited = ticket.since.elapsed();
+            sh.stats.queue.wait.observe(waited);
+            return Ok((routed, waited.as_secs_f64()));
         }
         let now = Instant::now();
         if now >= deadline {
@@ -298,10 +294,25 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
     }
 }
 
-/// Whether a request may be routed now: an engine has room, or none is available at all (the
-/// routing then answers 503 at once, as without admission).
-fn room_or_none(router: &Router) -> bool {
-    router.has_room() || !(0..router.num_instances()).any(|i| router.is_available(i))
+/// Route a request now if admission lets it ([`super::admission`]): to its preferred engine
+/// when that has room and no request before it prefers the same one; when `patient` is false
+/// and it is first in the queue (or `ticket` is None: nobody waits), to any engine with
+/// room; with no engine available at all, at once (to be answered 503 as without admission).
+fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patient: bool) -> Option<Routed> {
+    let (sh, k) = (&*job.sh, &job.keyed);
+    let preferred = router.preferred(&k.keys, k.input_length, k.session.as_ref());
+    if let Some(t) = ticket {
+        t.prefer(preferred);
+    }
+    let Some(x) = preferred else {
+        return Some(route(router, sh, &job.rid, k, &[]));
+    };
+    if router.has_room_on(x) && ticket.is_none_or(|t| t.first_for(x)) {
+        let others: Vec<usize> = (0..router.num_instances()).filter(|&i| i != x).collect();
+        return Some(route(router, sh, &job.rid, k, &others));
+    }
+    let first = ticket.is_none_or(Ticket::is_first);
+    (first && !patient && router.has_room()).then(|| route(router, sh, &job.rid, k, &[]))
 }
 
 /// 503 with `Retry-After`: the request was not admitted.

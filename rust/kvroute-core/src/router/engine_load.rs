@@ -215,7 +215,12 @@ impl Router {
     /// Whether some available instance is not overloaded: a request routed now has room
     /// (admission waits until one has).
     pub fn has_room(&self) -> bool {
-        (0..self.loads.len()).any(|i| self.loads[i].available && !self.overloaded(i))
+        (0..self.loads.len()).any(|i| self.has_room_on(i))
+    }
+
+    /// Whether instance `i` is available and not overloaded.
+    pub fn has_room_on(&self, i: usize) -> bool {
+        self.loads.get(i).is_some_and(|l| l.available) && !self.overloaded(i)
     }
 
     /// Leave out of the next decision the available instances that are overloaded, while
@@ -328,5 +333,23 @@ mod tests {
         r.set_available(1, false).unwrap();
         r.finish(&Id::Int(0));
         assert!(r.has_room(), "0 has room");
+        assert!(r.has_room_on(0) && !r.has_room_on(1) && !r.has_room_on(7));
+    }
+
+    #[test]
+    fn the_preferred_instance_counts_nothing_and_includes_overloaded_ones() {
+        let mut r = Router::new(2, Policy::LeastWork, RouterConfig::default()).unwrap();
+        r.set_overload_rule(OverloadRule { in_flight: Some(1), ..OverloadRule::default() }).unwrap();
+        let keys = [1, 2, 3];
+        assert_eq!(r.preferred(&keys, 1536, None), Some(0), "a tie, the counter at 0");
+        assert_eq!(r.preferred(&keys, 1536, None), Some(0), "the tie counter did not move");
+        assert_eq!(r.route(Id::Int(0), &keys, 1536, None).unwrap().instance, 0);
+        assert_eq!(r.in_flight(), 1);
+        // Instance 0 is full and holds the keys: preferred still (less work), routed elsewhere.
+        assert_eq!(r.preferred(&[1, 2, 3, 4], 2048, None), Some(0));
+        assert_eq!(r.route(Id::Int(1), &[1, 2, 3, 4], 2048, None).unwrap().instance, 1);
+        r.set_available(0, false).unwrap();
+        r.set_available(1, false).unwrap();
+        assert_eq!(r.preferred(&keys, 1536, None), None);
     }
 }

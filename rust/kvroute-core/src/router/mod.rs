@@ -98,6 +98,15 @@ pub struct Router {
     seen: Vec<InstanceLoad>,
 }
 
+/// A policy's pick before it is counted: the instance, why, the blocks of the request it
+/// holds, and how many of the request's keys it will hold.
+struct Choice {
+    instance: usize,
+    branch: Branch,
+    matched: usize,
+    stored: usize,
+}
+
 impl Router {
     /// A router over `num_instances` available instances with empty caches.
     pub fn new(num_instances: usize, policy: Policy, config: RouterConfig) -> Result<Self> {
@@ -187,6 +196,50 @@ impl Router {
                 "input_length must be at most 2**40 tokens, got {input_length}"
             )));
         }
+        let saved = (self.state.rr, self.state.rng.clone());
+        let Choice { instance, branch, matched, stored } = self.choose(keys, input_length, session)?;
+        let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
+        let new_prefill = input_length - hit;
+        let load = &mut self.loads[instance];
+        let (Some(ongoing), Some(pending)) = (
+            load.ongoing_tokens.checked_add(input_length),
+            load.pending_prefill_tokens.checked_add(new_prefill),
+        ) else {
+            (self.state.rr, self.state.rng) = saved;
+            return Err(Error::InvalidArgument(format!(
+                "input_length {input_length} would overflow instance {instance}'s token counters"
+            )));
+        };
+        load.num_requests += 1;
+        self.available_totals.0 += 1; // a picked instance is available
+        load.ongoing_tokens = ongoing;
+        load.pending_prefill_tokens = pending;
+        match self.events.as_mut().filter(|e| e.uses_events(instance)) {
+            // Its matched prefix is held there already; the rest is pending from now.
+            Some(e) => e.predict(instance, &keys[matched.min(stored)..stored]),
+            None => self.cache.touch(instance, &keys[..stored], &mut self.walk),
+        }
+        if let (Some(s), true) = (session, self.uses_affinity() && !self.config.shared_affinity) {
+            self.affinity.set(s, instance);
+        }
+        self.requests
+            .insert(request, InFlight { instance, input_length, new_prefill, first_token_seen: false });
+        Ok(Decision { instance, hit_tokens: hit, new_prefill, branch })
+    }
+
+    /// The instance the policy picks for this request among every available instance,
+    /// overloaded ones included, without routing it (nothing is counted, the tie counter and
+    /// the RNG are left as they were); None when no instance is available. Admission binds a
+    /// waiting request to it. O(keys + instances).
+    pub fn preferred(&mut self, keys: &[u64], input_length: u64, session: Option<&Id>) -> Option<usize> {
+        let saved = (self.state.rr, self.state.rng.clone());
+        let chosen = self.choose(keys, input_length.min(MAX_INPUT_LENGTH), session).ok();
+        (self.state.rr, self.state.rng) = saved;
+        chosen.map(|c| c.instance)
+    }
+
+    /// The policy's pick among the available instances, and what it matched there.
+    fn choose(&mut self, keys: &[u64], input_length: u64, session: Option<&Id>) -> Result<Choice> {
         let shared = self.config.shared_affinity && session.is_some() && self.uses_affinity();
         let (lookup, stored) =
             self.config.cache_rule.limits(keys.len(), input_length, self.config.block_size);
@@ -234,7 +287,6 @@ impl Router {
             affinity,
             available_totals,
         };
-        let saved = (self.state.rr, self.state.rng.clone());
         let (instance, branch) = pick(self.policy, &self.config.params, &input, &mut self.state)
             .ok_or(Error::NoInstanceAvailable)?;
         let matched = match matched.get(instance) {
@@ -245,33 +297,7 @@ impl Router {
             },
         };
         drop(cache);
-        let hit = hit_tokens(matched as u64, self.config.block_size, input_length);
-        let new_prefill = input_length - hit;
-        let load = &mut self.loads[instance];
-        let (Some(ongoing), Some(pending)) = (
-            load.ongoing_tokens.checked_add(input_length),
-            load.pending_prefill_tokens.checked_add(new_prefill),
-        ) else {
-            (self.state.rr, self.state.rng) = saved;
-            return Err(Error::InvalidArgument(format!(
-                "input_length {input_length} would overflow instance {instance}'s token counters"
-            )));
-        };
-        load.num_requests += 1;
-        self.available_totals.0 += 1; // a picked instance is available
-        load.ongoing_tokens = ongoing;
-        load.pending_prefill_tokens = pending;
-        match self.events.as_mut().filter(|e| e.uses_events(instance)) {
-            // Its matched prefix is held there already; the rest is pending from now.
-            Some(e) => e.predict(instance, &keys[matched.min(stored)..stored]),
-            None => self.cache.touch(instance, &keys[..stored], &mut self.walk),
-        }
-        if let (Some(s), true) = (session, self.uses_affinity() && !self.config.shared_affinity) {
-            self.affinity.set(s, instance);
-        }
-        self.requests
-            .insert(request, InFlight { instance, input_length, new_prefill, first_token_seen: false });
-        Ok(Decision { instance, hit_tokens: hit, new_prefill, branch })
+        Ok(Choice { instance, branch, matched, stored })
     }
 
     /// The first token came back (§2 step 2). Returns whether anything changed.
