@@ -1,7 +1,8 @@
 """Admission at the router (``docs/proxy.md``, "Admission"): while every engine is at its
 limit, requests wait in the router's queue and are routed when one has room, to the engine
 that has it; a full queue and a wait past the timeout get 503 with ``Retry-After``; a client
-that leaves while queued leaves no trace; priorities go first."""
+that leaves while queued leaves no trace; priorities go first. The replayer's records carry
+the wait, and the simulator queues the same way."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ from urllib.parse import urlsplit
 import pytest
 from aiohttp import web
 
+from kvroute import sim
+from kvroute.errors import InvalidArgumentError
+from kvroute.metrics import summarize
 from kvroute.proxy import Proxy, ProxyConfig, ServerThread
-from livekit import FakeEngine, http, wait_until
+from kvroute.replay import ReplayConfig, replay
+from livekit import FakeEngine, Stack, http, small_trace, wait_until
 
 
 class GatedEngine(FakeEngine):
@@ -120,7 +125,11 @@ def test_a_waiting_request_waits_for_the_engine_holding_its_prefix() -> None:
     """``leastwork``: a request whose prefix engine 0 holds prefers engine 0; while engine 0 is
     full it waits for it (engine 1 idle), and a later request that prefers engine 1 passes it;
     when engine 0 frees, the waiting one goes there."""
-    with stack(2, policy="leastwork", queue_size=8, queue_patience_s=30.0) as (url, proxy, (e0, e1)):
+    with stack(2, policy="leastwork", queue_size=8, queue_patience_s=30.0) as (
+        url,
+        proxy,
+        (e0, e1),
+    ):
         warm = send(url, PREFIX)
         wait_until(lambda: e0.arrived == 1, what="the prefix on engine 0")
         e0.release()
@@ -253,3 +262,37 @@ def test_with_no_engine_available_a_request_is_refused_at_once() -> None:
         status, _, body = http("POST", url + "/v1/completions", {"prompt": [1]}, timeout=10.0)
         assert status == 503 and "no backend" in json.loads(body)["error"]["message"]
         assert queue(proxy)["queued"] == 0
+
+
+def test_replayed_records_carry_the_wait_in_the_router_queue() -> None:
+    config = {"policy": "leastwork", "max_in_flight": 1, "queue_size": 64}
+    with Stack(2, proxy=config) as s:
+        trace = small_trace(sessions=6, turns=2)
+        records = replay(trace, ReplayConfig(url=s.url, mode="tracets", time_scale=0))
+        waits = records.column("router_wait").to_pylist()
+        assert summarize(records)["errors"] == 0 and None not in waits
+        assert min(waits) >= 0 and max(waits) > 0, "six sessions at once on two engines of one"
+        s.assert_counters_zero()
+    # Without a kvroute proxy in front there is nothing to read: null.
+    with Stack(1) as s:
+        records = replay(small_trace(sessions=1, turns=1), ReplayConfig(url=s.engine_urls[0]))
+        assert records.column("router_wait").to_pylist() == [None]
+
+
+def test_the_simulator_queues_as_the_proxy_does() -> None:
+    trace = small_trace(sessions=8, turns=3, gap=0.001)  # eight sessions at once
+    runs = sim.sweep(
+        trace,
+        policies=["leastwork"],
+        modes=["tracets"],
+        grid={"max_in_flight": [0, 1], "queue_patience_s": [0.0]},
+        instances=2,
+    )
+    free, capped = sorted(runs, key=lambda r: r.spec.params["max_in_flight"])
+    assert set(free.records.column("router_wait").to_pylist()) == {0.0}
+    assert free.stats["max_waiting"] == 0 and free.stats["max_in_flight"] > 2
+    waits = capped.records.column("router_wait").to_pylist()
+    assert capped.stats["max_waiting"] > 0 and max(waits) > 0
+    assert capped.stats["max_in_flight"] <= 2, "one per engine"
+    with pytest.raises(InvalidArgumentError, match="max_in_flight"):
+        sim.simulate(trace, instances=2, max_in_flight=1.5)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import kvroute
+from kvroute import sim
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy import ProxyConfig
 from kvroute.sim.profile import FORMAT, VERSION
@@ -125,9 +126,9 @@ def test_proxy_routes_with_a_profile_and_logs_its_predictions(tmp_path: Path) ->
 
 def test_simulator_runs_ttft_with_the_engines_own_costs(tmp_path: Path) -> None:
     trace = small_trace(sessions=6, turns=4)
-    plain = kvroute.sim.simulate(trace, instances=2, policy="ttft", mode="tracets")
-    slo = kvroute.sim.simulate(trace, instances=2, policy="ttft", mode="tracets", ttft_slo_s=5.0)
+    plain = sim.simulate(trace, instances=2, policy="ttft", mode="tracets")
+    slo = sim.simulate(trace, instances=2, policy="ttft", mode="tracets", ttft_slo_s=5.0)
     for res in (plain, slo):
         assert len(res.records) == trace.num_rows
     with pytest.raises(InvalidArgumentError, match="ttft_slo_s"):
-        kvroute.sim.simulate(trace, instances=2, policy="ttft", ttft_slo_s=-1.0)
+        sim.simulate(trace, instances=2, policy="ttft", ttft_slo_s=-1.0)

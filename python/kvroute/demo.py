@@ -115,7 +115,7 @@ def _emulated_time(records: pa.Table, cfg: DemoConfig, policy: str) -> pa.Table:
     cols = {}
     for name in records.column_names:
         col = records.column(name)
-        if name in ("send", "first_token", "finish", "queue_wait"):
+        if name in ("send", "first_token", "finish", "queue_wait", "router_wait"):
             col = pa.compute.multiply(col, cfg.speedup)
         cols[name] = col
     info = {

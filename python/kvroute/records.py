@@ -15,6 +15,8 @@ and that metrics and reports read. Arrow, stored as zstd Parquet.
 ``estimated_hit_tokens``       int64 the router's estimate at routing time
 ``queue_wait``                 float64 s from arrival at the engine to first scheduling
                                (null: unknown, e.g. a real engine)
+``router_wait``                float64 s in the router's admission queue before routing
+                               (0: routed on arrival; null: unknown, no kvroute proxy)
 ``preemptions``                int32 times the engine preempted it (null: unknown)
 ``decode_overlaps_prefill``    bool: another request's prefill ran on the same instance
                                during this one's decode (null: derive from intervals)
@@ -50,6 +52,7 @@ _FIELDS: list[tuple[str, pa.DataType, bool]] = [
     ("cached_tokens", pa.int64(), True),
     ("estimated_hit_tokens", pa.int64(), True),
     ("queue_wait", pa.float64(), True),
+    ("router_wait", pa.float64(), True),
     ("preemptions", pa.int32(), True),
     ("decode_overlaps_prefill", pa.bool_(), True),
     ("error", pa.string(), True),

@@ -22,8 +22,9 @@ experiment starts with empty prefix caches; a refusal stops the run with a
 
 **Measurement**: send, first streamed token and last token on the monotonic clock (seconds
 since the run began), usage's ``completion_tokens`` and ``prompt_tokens_details.cached_tokens``,
-and the proxy's ``X-Kvroute-Instance`` / ``X-Kvroute-Hit-Tokens`` headers when present. The
-records have the schema of :mod:`kvroute.records`, shared with the simulator.
+and the proxy's ``X-Kvroute-Instance`` / ``X-Kvroute-Hit-Tokens`` / ``X-Kvroute-Queue-Wait``
+headers when present. The records have the schema of :mod:`kvroute.records`, shared with
+the simulator.
 
 Cost: O(input tokens) per request to build prompts; one asyncio task per session.
 """
@@ -143,6 +144,7 @@ class _Result:
     cached: int | None = None
     instance: int = -1
     estimated: int | None = None
+    router_wait: float | None = None
     error: str | None = None
 
 
@@ -288,6 +290,8 @@ class Replayer:
                 res.instance = int(inst) if inst is not None else 0
                 hit = resp.headers.get("X-Kvroute-Hit-Tokens")
                 res.estimated = int(hit) if hit is not None else None
+                waited = resp.headers.get("X-Kvroute-Queue-Wait")
+                res.router_wait = float(waited) if waited is not None else None
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     res.error = f"HTTP {resp.status}: {text}"
@@ -352,6 +356,7 @@ class Replayer:
             "cached_tokens": [r.cached for _, r in done],
             "estimated_hit_tokens": [r.estimated for _, r in done],
             "queue_wait": [None] * len(done),
+            "router_wait": [r.router_wait for _, r in done],
             "preemptions": [None] * len(done),
             "decode_overlaps_prefill": [None] * len(done),
             "error": [r.error for _, r in done],

@@ -54,6 +54,9 @@ PARAM_POLICIES = {
     "overlap_weight": ("dynamo_cost", "unified_dynamo"),
     "temperature": ("dynamo_cost", "unified_dynamo"),
     "ttft_slo_s": ("ttft",),
+    # Admission at the router (``docs/simulator.md``): every policy reads them.
+    "max_in_flight": (*_core.policies(), "capped"),
+    "queue_patience_s": (*_core.policies(), "capped"),
 }
 
 __all__ = [

@@ -156,6 +156,7 @@ def records_table(table: pa.Table, raw: dict[str, Any], run: dict[str, Any]) -> 
         "cached_tokens": pa.array(raw["cached_tokens"], pa.int64(), mask=~ok),
         "estimated_hit_tokens": pa.array(raw["estimated_hit_tokens"], pa.int64(), mask=err == 2),
         "queue_wait": pa.array(raw["queue_wait"], pa.float64(), from_pandas=True),
+        "router_wait": pa.array(raw["router_wait"], pa.float64(), from_pandas=True),
         "preemptions": pa.array(raw["preemptions"], pa.int32(), mask=~ok),
         "decode_overlaps_prefill": pa.array(raw["decode_overlaps_prefill"], pa.bool_(), mask=~ok),
         "error": pa.array(

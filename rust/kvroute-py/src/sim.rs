@@ -13,7 +13,8 @@ use crate::worker::run_interruptible;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvroute_core::sim::{
-    run_many, EngineParams, KeyChunks, Mode, PreparedTrace, RouterCache, RunConfig, SimOutput, SimTrace,
+    run_many, EngineParams, KeyChunks, Mode, PreparedTrace, RouterCache, RunConfig, SimAdmission, SimOutput,
+    SimTrace,
 };
 use kvroute_core::{Policy, PolicyParams};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
@@ -134,10 +135,13 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
     let rate: Option<f64> = get(d, "rate")?.extract()?;
     let mode = Mode::from_name(&get(d, "mode")?.extract::<String>()?, rate).map_err(err)?;
     let mut params = PolicyParams::default();
+    let (mut cap, mut patience_s) = (0.0_f64, 0.5_f64);
     if let Some(pd) = d.get_item("params")? {
         for (k, v) in pd.cast::<PyDict>()?.iter() {
             let name: String = k.extract()?;
             let slot = match name.as_str() {
+                "max_in_flight" => &mut cap,
+                "queue_patience_s" => &mut patience_s,
                 "overload_factor" => &mut params.overload_factor,
                 "hit_ratio_gate" => &mut params.hit_ratio_gate,
                 "cache_threshold" => &mut params.cache_threshold,
@@ -158,7 +162,8 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         py,
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
-                         cache_threshold, balance_abs, balance_rel, overlap_weight, temperature, ttft_slo_s"
+                         cache_threshold, balance_abs, balance_rel, overlap_weight, temperature, ttft_slo_s, \
+                         max_in_flight, queue_patience_s"
                         ),
                     ))
                 }
@@ -167,6 +172,16 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
         }
     }
     params.validate().map_err(err)?;
+    if !(cap >= 0.0 && cap.fract() == 0.0 && cap < 2f64.powi(53)) {
+        return Err(invalid(
+            py,
+            format!("max_in_flight must be a whole number >= 0 (0: no admission), got {cap}"),
+        ));
+    }
+    if !(patience_s >= 0.0 && patience_s.is_finite()) {
+        return Err(invalid(py, format!("queue_patience_s must be a finite number >= 0, got {patience_s}")));
+    }
+    let admission = (cap > 0.0).then_some(SimAdmission { max_in_flight: cap as u64, patience_s });
     let engine = build_params(
         py,
         &get(d, "preset")?.extract::<String>()?,
@@ -212,6 +227,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
             sample_interval: get(d, "sample_interval")?.extract()?,
             closed_form: get(d, "closed_form")?.extract()?,
             second_thread: false,
+            admission,
         },
     ))
 }
@@ -257,6 +273,7 @@ fn output(py: Python<'_>, o: SimOutput) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cached_tokens", r.cached_tokens.into_pyarray(py))?;
     d.set_item("estimated_hit_tokens", r.estimated_hit_tokens.into_pyarray(py))?;
     d.set_item("queue_wait", r.queue_wait.into_pyarray(py))?;
+    d.set_item("router_wait", r.router_wait.into_pyarray(py))?;
     d.set_item("preemptions", r.preemptions.into_pyarray(py))?;
     d.set_item("decode_overlaps_prefill", PyArray1::from_vec(py, r.decode_overlaps_prefill))?;
     d.set_item("error", r.error.into_pyarray(py))?;
@@ -283,6 +300,7 @@ fn output(py: Python<'_>, o: SimOutput) -> PyResult<Bound<'_, PyDict>> {
         ("router_in_flight", st.router_in_flight),
         ("router_counters_sum", st.router_counters_sum),
         ("max_in_flight", st.max_in_flight),
+        ("max_waiting", st.max_waiting),
         ("second_thread_settles", st.second_thread_settles),
     ] {
         stats.set_item(k, v)?;

@@ -180,7 +180,7 @@ async fn run(job: &Job, req: &Request) -> Answer {
                 terms,
             });
         }
-        match attempt_on(job, req, &decision, at).await {
+        match attempt_on(job, req, &decision, at, queue_wait).await {
             Ok(answer) => return answer,
             Err((f, at)) => {
                 locked(&sh.router).finish(&job.rid);
@@ -357,7 +357,13 @@ fn fail(b: usize, e: Failure) -> Fail {
 }
 
 /// One attempt on one backend: the answer, or why it failed (with the backend, to blame).
-async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Result<Answer, (Fail, At)> {
+async fn attempt_on(
+    job: &Job,
+    req: &Request,
+    decision: &Decision,
+    at: At,
+    queue_wait: f64,
+) -> Result<Answer, (Fail, At)> {
     let sh = &*job.sh;
     let i = at.instance;
     let timeout = sh.config.request_timeout;
@@ -391,7 +397,8 @@ async fn attempt_on(job: &Job, req: &Request, decision: &Decision, at: At) -> Re
         ("x-kvroute-backend", at.backend.url.clone()),
         ("x-kvroute-hit-tokens", decision.hit_tokens.to_string()),
     ];
-    for (k, v) in extra {
+    let waited = sh.admission.as_ref().map(|_| ("x-kvroute-queue-wait", format!("{queue_wait:.6}")));
+    for (k, v) in extra.into_iter().chain(waited) {
         if let Ok(v) = HeaderValue::from_str(&v) {
             head.headers.insert(HeaderName::from_static(k), v);
         }

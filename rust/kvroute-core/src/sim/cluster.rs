@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use super::admission::{SimAdmission, Waiter, Waiting};
 use super::dispatch::{check, launch_times, next_send, Mode};
 use super::engine::{Engine, EngineEvent};
 use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
@@ -61,6 +62,8 @@ pub struct RunConfig {
     /// Settle engines, and touch the router's cache model when it is idle, on a second thread
     /// (`pipeline.rs`): same results, faster when a core is free.
     pub second_thread: bool,
+    /// Admission at the router (`admission.rs`); None: every request is routed on arrival.
+    pub admission: Option<SimAdmission>,
 }
 
 struct Loop<'a, 't> {
@@ -80,6 +83,8 @@ struct Loop<'a, 't> {
     stats: RunStats,
     in_flight: u64,
     events: Vec<EngineEvent>,
+    admission: Option<SimAdmission>,
+    waiting: Waiting,
 }
 
 /// Run one simulation. `cancel` is polled every few thousand events; a cancelled run
@@ -128,6 +133,9 @@ pub fn run(
             ..RouterConfig::default()
         },
     )?;
+    if let Some(a) = &cfg.admission {
+        a.apply(&mut router)?;
+    }
     let engines: Vec<Mutex<Engine<'_>>> = (0..cfg.instances).map(|_| Mutex::new(engine.clone())).collect();
     let jobs = cfg.second_thread.then(|| Arc::new(Jobs::default()));
     if let Some(jobs) = &jobs {
@@ -151,6 +159,8 @@ pub fn run(
         stats: RunStats { kv_total_blocks: ep.total_blocks(), ..RunStats::default() },
         in_flight: 0,
         events: Vec::new(),
+        admission: cfg.admission,
+        waiting: Waiting::default(),
     };
     let finished = match jobs.as_deref() {
         None => lp.drive(cfg, cancel)?,
@@ -219,7 +229,10 @@ impl Loop<'_, '_> {
                     self.send(s, t)?;
                 }
                 Next::Driver(t, Kind::Send(s)) => self.send(s, t)?,
-                Next::Segment(t, e) => self.segment(e as usize, t),
+                Next::Segment(t, e) => {
+                    self.segment(e as usize, t);
+                    self.admit(t)?;
+                }
                 Next::Driver(t, Kind::Sample) => {
                     if let Some(s) = &mut self.settling {
                         s.collect_all(&mut self.queue, self.engines);
@@ -241,16 +254,53 @@ impl Loop<'_, '_> {
         }
     }
 
-    /// Send session `s`'s next turn at `t`.
+    /// Session `s`'s next turn arrives at the router at `t`: routed at once, or with
+    /// admission queued until [`Loop::admit`] lets it go.
     fn send(&mut self, s: u32, t: f64) -> Result<()> {
         let row = self.sessions.rows_of(s)[self.pos[s as usize] as usize];
+        if self.admission.is_none() {
+            return self.dispatch(row, s, t, t, None);
+        }
+        self.waiting.push(Waiter { row, session: s, since: t });
+        self.admit(t)
+    }
+
+    /// Route every waiting request that admission lets go at `t` (at each arrival and each
+    /// engine step's end: while a request waits, the engine it waits for is running).
+    fn admit(&mut self, t: f64) -> Result<()> {
+        let Some(a) = self.admission else { return Ok(()) };
+        while let Some((w, only)) = self.waiting.next(&mut self.router, self.trace, t, a.patience_s) {
+            self.dispatch(w.row, w.session, w.since, t, only)?;
+        }
+        self.stats.max_waiting = self.stats.max_waiting.max(self.waiting.len() as u64);
+        Ok(())
+    }
+
+    /// Route trace row `row` of session `s`, which arrived at `arrived`, at `t` (to `only`
+    /// when given), and submit it to its engine.
+    fn dispatch(&mut self, row: u32, s: u32, arrived: f64, t: f64, only: Option<usize>) -> Result<()> {
         let i = row as usize;
         let keys = self.trace.keys_of(i);
         let input = self.trace.input_length[i] as u64;
         let output = self.trace.output_length[i] as u64;
-        let d = self.router.route(Id::Int(i64::from(row)), keys, input, Some(&Id::Int(i64::from(s))))?;
+        let (rid, session) = (Id::Int(i64::from(row)), Id::Int(i64::from(s)));
+        let d = match only {
+            None => self.router.route(rid, keys, input, Some(&session))?,
+            Some(x) => {
+                let others: Vec<usize> = (0..self.router.num_instances()).filter(|&o| o != x).collect();
+                for &o in &others {
+                    self.router.set_available(o as i64, false)?;
+                }
+                let d = self.router.route(rid, keys, input, Some(&session));
+                for &o in &others {
+                    self.router.set_available(o as i64, true)?;
+                }
+                d?
+            }
+        };
+        self.rec.router_wait[i] = t - arrived;
         self.rec.instance[i] = d.instance as i32;
-        self.rec.send[i] = t;
+        self.rec.send[i] = arrived;
         self.rec.estimated_hit_tokens[i] = d.hit_tokens as i64;
         self.in_flight += 1;
         self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight);

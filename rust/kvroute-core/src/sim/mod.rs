@@ -7,13 +7,15 @@
 //!   batching, chunked prefill, token budget, preemption by recompute, closed-form decode
 //!   runs) and what it reports.
 //! - [`trace`] and [`dispatch`]: the trace's sessions and the dispatch modes (§5).
-//! - [`cluster`]: one run's event loop (over `queue.rs`); [`sweep`]: many runs in parallel (rayon).
+//! - [`cluster`]: one run's event loop (over `queue.rs`), with [`admission`] at its router;
+//!   [`sweep`]: many runs in parallel (rayon).
 //! - [`live`]: one engine driven by a caller's clock (the HTTP engine emulator).
 //! - [`output`]: records, time series and run statistics.
 //!
 //! The model and its fidelity are written up in `docs/simulator.md`. Every type is plain
 //! owned data (traces borrowed read only); a run is single-threaded and deterministic.
 
+pub mod admission;
 pub mod cluster;
 mod commit;
 pub mod dispatch;
@@ -34,6 +36,7 @@ mod tests;
 mod tests_cluster;
 pub mod trace;
 
+pub use admission::SimAdmission;
 pub use cluster::{run, RouterCache, RunConfig};
 pub use dispatch::Mode;
 pub use engine::{Engine, EngineEvent, EngineStats, FinishInfo, Reject};

@@ -20,6 +20,8 @@ pub struct Records {
     pub cached_tokens: Vec<i64>,
     pub estimated_hit_tokens: Vec<i64>,
     pub queue_wait: Vec<f64>,
+    /// Seconds from arrival at the router to routing (admission's queue; 0 without it).
+    pub router_wait: Vec<f64>,
     pub preemptions: Vec<i32>,
     pub decode_overlaps_prefill: Vec<bool>,
     pub error: Vec<u8>,
@@ -37,6 +39,7 @@ impl Records {
             cached_tokens: vec![0; n],
             estimated_hit_tokens: vec![0; n],
             queue_wait: vec![f64::NAN; n],
+            router_wait: vec![f64::NAN; n],
             preemptions: vec![0; n],
             decode_overlaps_prefill: vec![false; n],
             error: vec![NOT_SENT; n],
@@ -81,6 +84,8 @@ pub struct RunStats {
     pub router_counters_sum: u64,
     /// Most requests in flight at once across the cluster.
     pub max_in_flight: u64,
+    /// Most requests waiting at the router at once (admission; 0 without it).
+    pub max_waiting: u64,
     /// Segment ends whose engine settled on the second thread (0 without one).
     pub second_thread_settles: u64,
 }

@@ -86,6 +86,7 @@ fn config(policy: Policy, mode: Mode) -> RunConfig {
         sample_interval: 1.0,
         closed_form: true,
         second_thread: false,
+        admission: None,
     }
 }
 
@@ -113,6 +114,33 @@ fn every_request_finishes_once_and_router_counters_end_at_zero() {
             assert!(!out.series.time.is_empty());
         }
     }
+}
+
+#[test]
+fn admission_holds_the_in_flight_cap_and_records_the_wait() {
+    let o = synthetic(12, 5);
+    for patience_s in [0.0, 0.5, 1e9] {
+        for policy in [Policy::LeastWork, Policy::Unified, Policy::RoundRobin] {
+            let admission = Some(SimAdmission { max_in_flight: 1, patience_s });
+            let out = simulate(&o, &RunConfig { admission, ..config(policy, Mode::Poisson { rate: 4.0 }) });
+            let (st, r) = (&out.stats, &out.records);
+            assert_eq!((st.finished, st.router_in_flight, st.router_counters_sum), (60, 0, 0));
+            assert!(st.max_waiting > 0, "{policy:?} {patience_s}: nobody waited");
+            // Per engine, a request is routed only once the one before it there finished.
+            for e in 0..4 {
+                let mut spans: Vec<(f64, f64)> = (0..60)
+                    .filter(|&i| r.instance[i] == e)
+                    .map(|i| (r.send[i] + r.router_wait[i], r.finish[i]))
+                    .collect();
+                spans.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                assert!(spans.windows(2).all(|w| w[1].0 >= w[0].1), "{policy:?} {patience_s} {e}");
+            }
+            assert!(r.router_wait.iter().all(|&w| w >= 0.0) && r.router_wait.iter().any(|&w| w > 0.0));
+        }
+    }
+    let plain = simulate(&o, &config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }));
+    assert!(plain.records.router_wait.iter().all(|&w| w == 0.0));
+    assert_eq!(plain.stats.max_waiting, 0);
 }
 
 #[test]
