@@ -82,14 +82,26 @@ CASE = [
         "input_length": 50000,
         "error": "boom",
     },
+    # 6: slow TTFT (6 s) after 4 s in the router's admission queue -> router_queue
+    {
+        "instance": 2,
+        "send": 30.0,
+        "first_token": 36.0,
+        "finish": 37.0,
+        "input_length": 100,
+        "router_wait": 4.0,
+    },
 ]
 
 
 def test_slow_labels_hand_computed() -> None:
     cfg = SlowConfig(hot_factor=100.0)  # no hot instance: only the queue-wait rule
     labels = label_slow(records(CASE), cfg)
-    assert labels == ["prefill_overlap", None, "hot_queue", "cache_miss", "unknown", None]
+    assert labels == [
+        "prefill_overlap", None, "hot_queue", "cache_miss", "unknown", None, "router_queue"
+    ]  # fmt: skip
     assert cause_counts(labels) == {
+        "router_queue": 1,
         "prefill_overlap": 1,
         "hot_queue": 1,
         "cache_miss": 1,
@@ -98,13 +110,15 @@ def test_slow_labels_hand_computed() -> None:
 
 
 def test_slow_thresholds_and_hot_instance() -> None:
-    # TTFT p90 per instance: 0 -> p90 of (6, 2, 0.5) = 5.2; 1 -> p90 of (5.5, 9) = 8.65.
-    # Median 6.925; factor 1.2 -> instance 1 hot (8.65 > 8.31): 3 and 4 become hot_queue.
+    # TTFT p90 per instance: 0 -> p90 of (6, 2, 0.5) = 5.2; 1 -> p90 of (5.5, 9) = 8.65;
+    # 2 -> 6. Median 6; factor 1.2 -> instance 1 hot (8.65 > 7.2): 3 and 4 become hot_queue.
     labels = label_slow(records(CASE), SlowConfig(hot_factor=1.2))
-    assert labels == ["prefill_overlap", None, "hot_queue", "hot_queue", "hot_queue", None]
+    assert labels == [
+        "prefill_overlap", None, "hot_queue", "hot_queue", "hot_queue", None, "router_queue"
+    ]  # fmt: skip
     # Raising the SLOs leaves only request 2 (E2E 40 s > 39 s) slow.
     labels = label_slow(records(CASE), SlowConfig(slo_ttft_s=10, slo_e2e_s=39, hot_factor=9))
-    assert labels == [None, None, "hot_queue", None, None, None]
+    assert labels == [None, None, "hot_queue", None, None, None, None]
     # A 10k prefill is no overlap when the minimum is above it.
     labels = label_slow(records(CASE), SlowConfig(overlap_min_tokens=10001, hot_factor=9))
     assert labels[0] == "unknown"

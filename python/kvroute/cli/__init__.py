@@ -15,6 +15,7 @@ from kvroute.cli.kv_events import kv_events
 from kvroute.cli.live import engine, proxy, replay
 from kvroute.cli.report import bench, report
 from kvroute.cli.simulate import simulate
+from kvroute.cli.srr import srr
 from kvroute.cli.trace import trace
 
 
@@ -37,6 +38,7 @@ main.add_command(simulate)
 main.add_command(calibrate)
 main.add_command(side_by_side)
 main.add_command(report)
+bench.add_command(srr)
 main.add_command(bench)
 
 __all__ = ["main"]

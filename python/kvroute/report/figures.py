@@ -23,7 +23,7 @@ from kvroute.report.render import CAUSE_NAMES
 from kvroute.report.slow import CAUSES
 
 DPI = 110
-CAUSE_COLORS = ("tab:red", "tab:orange", "tab:blue", "tab:gray")
+CAUSE_COLORS = ("tab:purple", "tab:red", "tab:orange", "tab:blue", "tab:gray")
 
 
 def _save(fig: Figure, path: Path) -> Path:

@@ -26,6 +26,7 @@ HEADLINE = (
     "n_slow",
 )
 CAUSE_NAMES = {
+    "router_queue": "router queue (admission)",
     "prefill_overlap": "same-instance prefill overlap",
     "hot_queue": "hot-instance queue",
     "cache_miss": "cache miss, large append",

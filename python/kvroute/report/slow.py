@@ -3,10 +3,12 @@
 A request is *slow* when it succeeded and its TTFT exceeds ``slo_ttft_s`` or its E2E exceeds
 ``slo_e2e_s``. Each slow request gets the first of these labels that applies:
 
+0. ``router_queue``: it waited in the router's admission queue (``router_wait``) for at
+   least half its TTFT.
 1. ``prefill_overlap``: the prefill window of another request on the same instance with at
    least ``overlap_min_tokens`` new (uncached) prompt tokens intersects this request's
    lifetime ``(send, finish)``, i.e. its TTFT window or its decode window. A prefill window
-   is ``[send + queue_wait, first_token)`` (``queue_wait`` 0 when unknown).
+   is ``[send + router_wait + queue_wait, first_token)`` (each 0 when unknown).
 2. ``hot_queue``: the request's instance is hot (its TTFT p90 exceeds ``hot_factor`` x the
    median over instances of TTFT p90), or its own ``queue_wait`` is at least
    ``queue_wait_s``.
@@ -29,7 +31,7 @@ import pyarrow as pa
 
 from kvroute.records import conform_records
 
-CAUSES = ("prefill_overlap", "hot_queue", "cache_miss", "unknown")
+CAUSES = ("router_queue", "prefill_overlap", "hot_queue", "cache_miss", "unknown")
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
@@ -63,6 +65,7 @@ class Columns:
     input_length: I64
     hit: F64  # NaN: unknown
     queue_wait: F64  # NaN: unknown
+    router_wait: F64  # NaN: unknown
 
     @staticmethod
     def of(records: pa.Table) -> Columns:
@@ -84,6 +87,7 @@ class Columns:
             input_length=np.asarray(r.column("input_length").to_numpy(), dtype=np.int64),
             hit=np.where(np.isnan(cached), est, cached),
             queue_wait=f64("queue_wait"),
+            router_wait=f64("router_wait"),
         )
 
 
@@ -92,7 +96,7 @@ def overlapping_prefill(c: Columns, min_tokens: int) -> Bools:
     tokens on the same instance intersects this row's ``(send, finish)``."""
     out = np.zeros(len(c.send), dtype=bool)
     new = c.input_length - np.nan_to_num(c.hit, nan=0.0)
-    start = c.send + np.nan_to_num(c.queue_wait, nan=0.0)
+    start = c.send + np.nan_to_num(c.router_wait, nan=0.0) + np.nan_to_num(c.queue_wait, nan=0.0)
     big = c.ok & (new >= min_tokens) & (c.first > start)
     for inst in np.unique(c.instance[c.ok]):
         rows = np.flatnonzero(c.ok & (c.instance == inst))
@@ -130,6 +134,8 @@ def label_slow(records: pa.Table, config: SlowConfig | None = None) -> list[str 
     overlap = overlapping_prefill(c, cfg.overlap_min_tokens)
     hot = np.isin(c.instance, list(hot_instances(c, cfg.hot_factor)))
     queued = np.nan_to_num(c.queue_wait, nan=-np.inf) >= cfg.queue_wait_s
+    waited = np.nan_to_num(c.router_wait, nan=0.0)
+    admitted_late = (waited > 0) & (waited >= 0.5 * ttft)
     known = ~np.isnan(c.hit)
     hit = np.nan_to_num(c.hit, nan=0.0)
     miss = (
@@ -141,6 +147,8 @@ def label_slow(records: pa.Table, config: SlowConfig | None = None) -> list[str 
     for i in range(len(slow)):
         if not slow[i]:
             labels.append(None)
+        elif admitted_late[i]:
+            labels.append("router_queue")
         elif overlap[i]:
             labels.append("prefill_overlap")
         elif hot[i] or queued[i]:

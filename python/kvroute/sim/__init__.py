@@ -67,6 +67,7 @@ __all__ = [
     "RunSpec",
     "SimResult",
     "engine_params",
+    "next_probe",
     "presets",
     "resolve_policies",
     "simulate",
@@ -436,7 +437,7 @@ def sustainable_rate(
                     st.rate = max(st.rate, rate)
                 else:
                     st.upper = rate if st.upper is None else min(st.upper, rate)
-                probe[p] = _next_probe(st, rel_tol, float(start))
+                probe[p] = next_probe(st, rel_tol, float(start))
     return [state[p] for p in names]
 
 
@@ -445,7 +446,7 @@ def _own(policy: str, params: Mapping[str, float] | None) -> dict[str, float]:
     return {k: float(v) for k, v in (params or {}).items() if policy in PARAM_POLICIES.get(k, ())}
 
 
-def _next_probe(st: RateResult, rel_tol: float, start: float) -> float:
+def next_probe(st: RateResult, rel_tol: float, start: float) -> float:
     """Double while nothing failed, halve while nothing passed, then bisect; 0 = done."""
     if st.upper is None:
         return st.rate * 2.0

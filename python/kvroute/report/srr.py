@@ -1,0 +1,209 @@
+"""B4 and B5 on running engines: each policy's sustainable request rate under SLOs, found by
+replaying a trace open-loop (Poisson session arrivals) through a kvroute proxy in front of
+the engines, and the causes of the SLO-violating requests at 0.9x, 1.0x and 1.1x of it
+(``docs/report.md``, "Sustainable rate on running engines").
+
+A probe at rate r replays the whole trace in ``poisson`` mode at r sessions/s through a
+proxy (in this process, one per probe, the policy's and the given proxy settings) with the
+engines' prefix caches reset first. It passes when every request succeeded and TTFT p90
+and TPOT p90 are within the SLOs. The search is the simulator's
+(:func:`kvroute.sim.sustainable_rate`): double from ``start`` while probes pass, halve while
+they fail, then bisect until ``upper / rate - 1 <= rel_tol``; one policy at a time (the
+engines are shared). The slow requests of the runs at the three factors are labelled with
+:func:`kvroute.report.slow.label_slow`. With an engine profile the simulator's answer to the
+same questions is computed beside it.
+
+Cost: one replay of the trace per probe (minutes on real engines); the probe function can be
+swapped (``probe=``) for tests. Not thread-safe (it runs proxies and replays in turn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from kvroute.errors import InvalidArgumentError
+from kvroute.metrics import summarize
+from kvroute.report.slow import SlowConfig, cause_counts, label_slow
+from kvroute.sim import RateResult, next_probe
+
+#: The multiples of the sustainable rate whose slow requests are labelled (the study's B5).
+FACTORS = (0.9, 1.0, 1.1)
+
+#: A probe: (policy, rate in sessions/s) -> the run's records.
+Probe = Callable[[str, float], pa.Table]
+
+
+@dataclass(frozen=True)
+class SrrConfig:
+    """What to search (see the module doc). ``proxy``: ProxyConfig settings for every
+    policy (e.g. ``max_in_flight``, ``queue_size``); ``policy_options``: router keywords per
+    policy (e.g. ``{"ttft": {"engine_profile": {...}}}``)."""
+
+    urls: tuple[str, ...]
+    policies: tuple[str, ...]
+    slo_ttft_p90: float
+    slo_tpot_p90: float
+    start: float | None = None
+    rel_tol: float = 0.1
+    max_rounds: int = 8
+    seed: int = 0
+    model: str | None = None
+    slo_e2e_s: float = 30.0
+    proxy: Mapping[str, Any] = field(default_factory=dict)
+    policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise InvalidArgumentError("policies must not be empty")
+        for name in ("slo_ttft_p90", "slo_tpot_p90", "rel_tol", "slo_e2e_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.start is not None and not self.start > 0:
+            raise InvalidArgumentError(f"start must be a positive rate, got {self.start}")
+        if self.max_rounds < 1:
+            raise InvalidArgumentError(f"max_rounds must be at least 1, got {self.max_rounds}")
+
+
+def passes(records: pa.Table, cfg: SrrConfig) -> tuple[bool, dict[str, Any]]:
+    """Whether a probe's run meets the SLOs, and its figures (requests, errors, p90s)."""
+    s = summarize(records)
+    ttft, tpot = s["ttft"]["p90"], s["tpot"]["p90"]
+    ok = (
+        s["errors"] == 0
+        and ttft is not None
+        and ttft <= cfg.slo_ttft_p90
+        and (tpot is None or tpot <= cfg.slo_tpot_p90)
+    )
+    return ok, {
+        "requests": s["requests"],
+        "errors": s["errors"],
+        "ttft_p90": ttft,
+        "tpot_p90": tpot,
+    }
+
+
+def session_rate(trace: pa.Table) -> float:
+    """The trace's own session rate (sessions over its time span, at least 1 s)."""
+    ts = trace.column("timestamp").to_numpy()
+    sessions = len(trace.column("session_id").unique())
+    return float(sessions / max(float(ts.max() - ts.min()), 1.0))
+
+
+def search(
+    trace: pa.Table,
+    cfg: SrrConfig,
+    probe: Probe,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Per policy, the sustainable rate and every probe (rate, pass, figures)."""
+    start = cfg.start or session_rate(trace)
+    out: dict[str, Any] = {}
+    for policy in cfg.policies:
+        st = RateResult(policy, 0.0, None)
+        figures = []
+        rate = float(start)
+        for _ in range(cfg.max_rounds):
+            if rate <= 0:
+                break
+            ok, fig = passes(probe(policy, rate), cfg)
+            st.probes.append((rate, fig["ttft_p90"], fig["tpot_p90"], ok))
+            figures.append({"rate": rate, "ok": ok, **fig})
+            progress(f"{policy} at {rate:.4g} sessions/s: {'pass' if ok else 'fail'} {fig}")
+            if ok:
+                st.rate = max(st.rate, rate)
+            else:
+                st.upper = rate if st.upper is None else min(st.upper, rate)
+            rate = next_probe(st, cfg.rel_tol, float(start))
+        out[policy] = {"rate": st.rate, "upper": st.upper, "probes": figures}
+    return out
+
+
+def causes(
+    cfg: SrrConfig,
+    rates: Mapping[str, float],
+    probe: Probe,
+    factors: Sequence[float] = FACTORS,
+) -> dict[str, list[dict[str, Any]]]:
+    """Per policy and factor of its rate: the run's figures and its slow requests by cause
+    (a policy whose rate is 0 has none)."""
+    slow = SlowConfig(slo_ttft_s=cfg.slo_ttft_p90, slo_e2e_s=cfg.slo_e2e_s)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for policy, rate in rates.items():
+        rows = []
+        for f in factors if rate > 0 else ():
+            records = probe(policy, rate * f)
+            labels = label_slow(records, slow)
+            _, fig = passes(records, cfg)
+            slow_n = sum(x is not None for x in labels)
+            rows.append(
+                {"factor": f, "rate": rate * f, **fig, "slow": slow_n, **cause_counts(labels)}
+            )
+        out[policy] = rows
+    return out
+
+
+def live_probe(trace: pa.Table, cfg: SrrConfig) -> Probe:
+    """The probe on running engines: a proxy per run, the trace replayed open-loop."""
+    from kvroute.proxy import Proxy, ProxyConfig, ServerThread
+    from kvroute.proxy.discover import block_size
+    from kvroute.replay import ReplayConfig, replay
+
+    block, _ = block_size(list(cfg.urls))
+
+    def run(policy: str, rate: float) -> pa.Table:
+        options = {"block_size": block, **cfg.policy_options.get(policy, {})}
+        config = ProxyConfig(
+            backends=list(cfg.urls), policy=policy, router_options=options, **cfg.proxy
+        )
+        with ServerThread() as st:
+            url = st.start(Proxy(config))
+            rc = ReplayConfig(
+                url=url, mode="poisson", rate=rate, seed=cfg.seed, model=cfg.model,
+                reset_cache=True, request_timeout_s=600.0,
+            )  # fmt: skip
+            return replay(trace, rc)
+
+    return run
+
+
+def simulated(
+    trace: pa.Table, cfg: SrrConfig, engine: Mapping[str, float], factors: Sequence[float] = FACTORS
+) -> dict[str, Any]:
+    """The simulator's answer on a calibrated profile (``engine``): the sustainable rates
+    and the slow requests by cause at the same factors of its own rates."""
+    from kvroute import sim
+
+    params = {
+        k: float(v)
+        for k, v in cfg.proxy.items()
+        if k in ("max_in_flight", "queue_patience_s") and v is not None
+    }
+    if not params.get("max_in_flight") or cfg.proxy.get("queue_size") is None:
+        params = {}  # no admission
+    found = sim.sustainable_rate(
+        trace, policies=list(cfg.policies), slo_ttft_p90=cfg.slo_ttft_p90,
+        slo_tpot_p90=cfg.slo_tpot_p90, start=cfg.start or session_rate(trace),
+        rel_tol=cfg.rel_tol, max_rounds=max(cfg.max_rounds, 12), seed=cfg.seed,
+        instances=len(cfg.urls), engine=dict(engine), params=params or None,
+    )  # fmt: skip
+
+    def probe(policy: str, rate: float) -> pa.Table:
+        runs = sim.sweep(
+            trace, policies=[policy], modes=["poisson"], seeds=[cfg.seed], rates=[rate],
+            grid={k: [v] for k, v in params.items()}, instances=len(cfg.urls),
+            engine=dict(engine), sample_interval=0.0,
+        )  # fmt: skip
+        return runs[0].records
+
+    rates = {r.policy: r.rate for r in found}
+    return {
+        "rates": {r.policy: asdict(r) for r in found},
+        "causes": causes(cfg, rates, probe, factors),
+    }
+
+
+__all__ = ["FACTORS", "SrrConfig", "causes", "live_probe", "passes", "search", "simulated"]

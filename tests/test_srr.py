@@ -1,0 +1,115 @@
+"""``kvroute bench srr`` (``kvroute.report.srr``): the rate search on a probe of known
+capacity, the cause labels at the factors, and the command end to end on emulators."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from kvroute.cli import main
+from kvroute.errors import InvalidArgumentError
+from kvroute.records import conform_records
+from kvroute.report import srr
+from kvroute.trace import write_trace
+from livekit import Stack, small_trace
+from test_ttft import profile
+
+
+def records(ttft: float, n: int = 20, error: str | None = None) -> pa.Table:
+    """``n`` one-token requests on two instances, each ``ttft`` to its first token."""
+    table = pa.table(
+        {
+            "request_id": list(range(n)),
+            "session_id": list(range(n)),
+            "instance": [i % 2 for i in range(n)],
+            "send": [float(i) for i in range(n)],
+            "first_token": [i + ttft for i in range(n)],
+            "finish": [i + ttft for i in range(n)],
+            "input_length": [100] * n,
+            "output_length": [1] * n,
+            "error": [error] + [None] * (n - 1),
+        }
+    )
+    return conform_records(table)
+
+
+def config(**kw: object) -> srr.SrrConfig:
+    base: dict[str, object] = {
+        "urls": ("http://a", "http://b"),
+        "policies": ("leastwork", "unified"),
+        "slo_ttft_p90": 1.0,
+        "slo_tpot_p90": 1.0,
+        "start": 1.0,
+    }
+    return srr.SrrConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_the_search_finds_a_known_capacity() -> None:
+    # TTFT grows with the rate: 0.25 s per session/s, so the SLO of 1 s holds up to 4.
+    # leastwork's capacity is twice unified's.
+    capacity = {"leastwork": 4.0, "unified": 2.0}
+    probed: list[tuple[str, float]] = []
+
+    def probe(policy: str, rate: float) -> pa.Table:
+        probed.append((policy, rate))
+        return records(rate / capacity[policy])
+
+    found = srr.search(pa.table({"timestamp": [0.0], "session_id": [0]}), config(), probe)
+    doubling = {"leastwork": [1, 2, 4, 8], "unified": [1, 2, 4]}  # then bisection
+    for policy, cap in capacity.items():
+        got = found[policy]
+        assert got["rate"] == cap and cap < got["upper"] <= cap * 1.1
+        first = got["probes"][: len(doubling[policy])]
+        assert [(p["rate"], p["ok"]) for p in first] == [(r, r <= cap) for r in doubling[policy]]
+    assert [p for p, _ in probed] == sorted(p for p, _ in probed), "one policy after the other"
+
+
+def test_a_run_with_an_error_fails_and_causes_are_counted() -> None:
+    cfg = config(policies=("leastwork",))
+    assert not srr.passes(records(0.1, error="HTTP 503"), cfg)[0]
+    assert srr.passes(records(0.1), cfg)[0]
+    rows = srr.causes(cfg, {"leastwork": 2.0}, lambda p, r: records(r))
+    assert [r["factor"] for r in rows["leastwork"]] == [0.9, 1.0, 1.1]
+    # At 1.1x every request takes 2.2 s > 1 s: all slow, none with a known cause here.
+    last = rows["leastwork"][-1]
+    assert last["slow"] == 20 and last["unknown"] == 20 and last["rate"] == pytest.approx(2.2)
+    assert srr.causes(cfg, {"leastwork": 0.0}, lambda p, r: records(r)) == {"leastwork": []}
+    with pytest.raises(InvalidArgumentError, match="slo_ttft_p90"):
+        config(slo_ttft_p90=0.0)
+
+
+def test_the_command_on_emulators(tmp_path: Path) -> None:
+    trace = tmp_path / "t.parquet"
+    write_trace(small_trace(sessions=4, turns=2, block_size=64), trace)
+    out = tmp_path / "out"
+    with Stack(2, speedup=50.0) as s:
+        args = ["bench", "srr", str(trace), *(a for u in s.engine_urls for a in ("--url", u))]
+        args += ["--policy", "leastwork", "--policy", "ttft", "--slo-ttft-p90", "30"]
+        args += ["--slo-tpot-p90", "30", "--max-rounds", "2", "--start", "4"]
+        args += ["--engine-profile", str(profile(tmp_path / "p.json")), "--out", str(out)]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    doc = json.loads((out / "srr.json").read_text())
+    for source in ("real", "simulated"):
+        for policy in ("leastwork", "ttft"):
+            rows = doc[source]["causes"][policy]
+            assert [r["factor"] for r in rows] == [0.9, 1.0, 1.1]
+            for r in rows:
+                assert r["slow"] == sum(
+                    r[c]
+                    for c in (
+                        "router_queue",
+                        "prefill_overlap",
+                        "hot_queue",
+                        "cache_miss",
+                        "unknown",
+                    )
+                )
+    probes = doc["real"]["rates"]["leastwork"]["probes"]
+    assert len(probes) == 2 and all(p["ok"] and p["requests"] == 8 for p in probes)
+    assert doc["real"]["rates"]["leastwork"]["rate"] == 8.0, "4 then 8 passed; no failure yet"
+    assert "| leastwork | real |" in (out / "srr.md").read_text()
