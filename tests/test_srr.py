@@ -82,6 +82,15 @@ def test_a_run_with_an_error_fails_and_causes_are_counted() -> None:
         config(slo_ttft_p90=0.0)
 
 
+def test_think_times_are_scaled() -> None:
+    trace = small_trace(sessions=2, turns=3, ttp=0.4)
+    half = srr.scaled(trace, config(think_scale=0.5)).column("time_to_parent_chat").to_pylist()
+    assert half == [
+        None if t is None else 0.2 for t in trace.column("time_to_parent_chat").to_pylist()
+    ]
+    assert srr.scaled(trace, config()) is trace
+
+
 def test_the_command_on_emulators(tmp_path: Path) -> None:
     trace = tmp_path / "t.parquet"
     write_trace(small_trace(sessions=4, turns=2, block_size=64), trace)
@@ -89,7 +98,16 @@ def test_the_command_on_emulators(tmp_path: Path) -> None:
     with Stack(2, speedup=50.0) as s:
         args = ["bench", "srr", str(trace), *(a for u in s.engine_urls for a in ("--url", u))]
         args += ["--policy", "leastwork", "--policy", "ttft", "--slo-ttft-p90", "30"]
-        args += ["--slo-tpot-p90", "30", "--max-rounds", "2", "--start", "4"]
+        args += [
+            "--slo-tpot-p90",
+            "30",
+            "--max-rounds",
+            "2",
+            "--start",
+            "4",
+            "--think-scale",
+            "0.5",
+        ]
         args += ["--engine-profile", str(profile(tmp_path / "p.json")), "--out", str(out)]
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output

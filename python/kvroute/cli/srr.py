@@ -43,6 +43,13 @@ from kvroute.report.slow import CAUSES
     type=Finite(min=0, min_open=True),
     help="First rate probed, sessions/s [default: the trace's own].",
 )
+@click.option(
+    "--think-scale",
+    default=1.0,
+    show_default=True,
+    type=Finite(min=0),
+    help="Multiply the trace's think times (time_to_parent_chat) by this.",
+)
 @click.option("--rel-tol", default=0.1, show_default=True, type=Finite(min=0, min_open=True))
 @click.option("--max-rounds", default=8, show_default=True, type=click.IntRange(1, 100))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
@@ -66,6 +73,7 @@ def srr(
     slo_tpot_p90: float,
     slo_e2e: float,
     start: float | None,
+    think_scale: float,
     rel_tol: float,
     max_rounds: int,
     seed: int,
@@ -103,6 +111,7 @@ def srr(
             seed=seed,
             model=model,
             slo_e2e_s=slo_e2e,
+            think_scale=think_scale,
             proxy=proxy,
             policy_options={"ttft": {"engine_profile": engine}} if engine else {},
         )

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvroute.errors import InvalidArgumentError
 from kvroute.metrics import summarize
@@ -53,6 +54,9 @@ class SrrConfig:
     seed: int = 0
     model: str | None = None
     slo_e2e_s: float = 30.0
+    #: Multiplies the trace's think times (``time_to_parent_chat``), for the real and the
+    #: simulated runs alike.
+    think_scale: float = 1.0
     proxy: Mapping[str, Any] = field(default_factory=dict)
     policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -62,6 +66,8 @@ class SrrConfig:
         for name in ("slo_ttft_p90", "slo_tpot_p90", "rel_tol", "slo_e2e_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.think_scale < 1e9:
+            raise InvalidArgumentError(f"think_scale must be >= 0, got {self.think_scale}")
         if self.start is not None and not self.start > 0:
             raise InvalidArgumentError(f"start must be a positive rate, got {self.start}")
         if self.max_rounds < 1:
@@ -84,6 +90,15 @@ def passes(records: pa.Table, cfg: SrrConfig) -> tuple[bool, dict[str, Any]]:
         "ttft_p90": ttft,
         "tpot_p90": tpot,
     }
+
+
+def scaled(trace: pa.Table, cfg: SrrConfig) -> pa.Table:
+    """The trace with its think times multiplied by ``cfg.think_scale``."""
+    name = "time_to_parent_chat"
+    if cfg.think_scale == 1.0 or name not in trace.column_names:
+        return trace
+    col = pc.multiply(trace.column(name), pa.scalar(cfg.think_scale, trace.schema.field(name).type))
+    return trace.set_column(trace.schema.get_field_index(name), name, col)
 
 
 def session_rate(trace: pa.Table) -> float:
@@ -153,6 +168,7 @@ def live_probe(trace: pa.Table, cfg: SrrConfig) -> Probe:
     from kvroute.replay import ReplayConfig, replay
 
     block, _ = block_size(list(cfg.urls))
+    trace = scaled(trace, cfg)
 
     def run(policy: str, rate: float) -> pa.Table:
         options = {"block_size": block, **cfg.policy_options.get(policy, {})}
@@ -177,6 +193,7 @@ def simulated(
     and the slow requests by cause at the same factors of its own rates."""
     from kvroute import sim
 
+    trace = scaled(trace, cfg)
     params = {
         k: float(v)
         for k, v in cfg.proxy.items()
@@ -206,4 +223,14 @@ def simulated(
     }
 
 
-__all__ = ["FACTORS", "SrrConfig", "causes", "live_probe", "passes", "search", "simulated"]
+__all__ = [
+    "FACTORS",
+    "SrrConfig",
+    "causes",
+    "live_probe",
+    "passes",
+    "scaled",
+    "search",
+    "session_rate",
+    "simulated",
+]
