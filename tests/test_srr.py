@@ -131,3 +131,10 @@ def test_the_command_on_emulators(tmp_path: Path) -> None:
     assert len(probes) == 2 and all(p["ok"] and p["requests"] == 8 for p in probes)
     assert doc["real"]["rates"]["leastwork"]["rate"] == 8.0, "4 then 8 passed; no failure yet"
     assert "| leastwork | real |" in (out / "srr.md").read_text()
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    assert (
+        len(runs) == 12
+        and "real-ttft-1.1x.parquet" in runs
+        and "simulated-leastwork-0.9x.parquet" in runs
+    )
+    assert doc["config"]["slow"]["overlap_min_tokens"] == 8192

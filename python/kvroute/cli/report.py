@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -13,6 +15,47 @@ from rich.table import Table
 
 from kvroute.cli.common import output_option
 from kvroute.files import write_text
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cause_rule_options(f: F) -> F:
+    """The thresholds of the slow-cause rules (``kvroute.report.slow.SlowConfig``)."""
+    options = [
+        click.option(
+            "--overlap-min-tokens",
+            default=8192,
+            show_default=True,
+            help="Smallest other prefill (new tokens) that counts as an overlap.",
+        ),
+        click.option(
+            "--hot-factor",
+            default=1.5,
+            show_default=True,
+            help="Hot instance: TTFT p90 over this x the median instance's.",
+        ),
+        click.option(
+            "--queue-wait",
+            default=5.0,
+            show_default=True,
+            help="Hot-instance queue also when the request's queue wait is this long (s).",
+        ),
+        click.option(
+            "--miss-ratio",
+            default=0.5,
+            show_default=True,
+            help="Cache miss: prefix hit below this share of the prompt ...",
+        ),
+        click.option(
+            "--large-append",
+            default=8192,
+            show_default=True,
+            help="... and at least this many new tokens.",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
 
 
 @click.command("report")
@@ -28,33 +71,7 @@ from kvroute.files import write_text
 )
 @click.option("--slo-ttft", default=5.0, show_default=True, help="Slow: TTFT over this (s).")
 @click.option("--slo-e2e", default=30.0, show_default=True, help="Slow: E2E over this (s).")
-@click.option(
-    "--overlap-min-tokens",
-    default=8192,
-    show_default=True,
-    help="Smallest other prefill (new tokens) that counts as an overlap.",
-)
-@click.option(
-    "--hot-factor",
-    default=1.5,
-    show_default=True,
-    help="Hot instance: TTFT p90 over this x the median instance's.",
-)
-@click.option(
-    "--queue-wait",
-    default=5.0,
-    show_default=True,
-    help="Hot-instance queue also when the request's queue wait is this long (s).",
-)
-@click.option(
-    "--miss-ratio",
-    default=0.5,
-    show_default=True,
-    help="Cache miss: prefix hit below this share of the prompt ...",
-)
-@click.option(
-    "--large-append", default=8192, show_default=True, help="... and at least this many new tokens."
-)
+@cause_rule_options
 @click.option("--no-figures", is_flag=True, help="Skip the PNG figures.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json's object.")
 def report(

@@ -13,9 +13,10 @@ from rich.table import Table
 
 import kvroute
 from kvroute.cli.common import FINITE, BadInput, Finite, output_option
+from kvroute.cli.report import cause_rule_options
 from kvroute.errors import KvrouteError
 from kvroute.files import write_text
-from kvroute.report.slow import CAUSES
+from kvroute.report.slow import CAUSES, SlowConfig
 
 
 @click.command("srr")
@@ -61,6 +62,7 @@ from kvroute.report.slow import CAUSES
     help="Profile of these engines (kvroute calibrate): the ttft policy's costs, and the "
     "simulator's prediction of the same table beside the measured one.",
 )
+@cause_rule_options
 @click.option("--max-in-flight", default=None, type=click.IntRange(min=1), help="Admission.")
 @click.option("--queue-size", default=None, type=click.IntRange(min=0), help="Admission.")
 @click.option("--queue-patience", default=0.5, show_default=True, type=FINITE)
@@ -82,12 +84,18 @@ def srr(
     max_in_flight: int | None,
     queue_size: int | None,
     queue_patience: float,
+    overlap_min_tokens: int,
+    hot_factor: float,
+    queue_wait: float,
+    miss_ratio: float,
+    large_append: int,
     out: Path | None,
     force: bool,
 ) -> None:
     """B4/B5 on running engines: replay TRACE open-loop through a kvroute proxy per policy,
     find each policy's highest session rate within the SLOs, then label the slow requests
-    at 0.9x, 1.0x and 1.1x of it (docs/report.md)."""
+    at 0.9x, 1.0x and 1.1x of it (docs/report.md). The slow-cause thresholds are
+    `kvroute report`'s; the runs at the factors are written under OUT/runs."""
     from kvroute.report import srr as srr_api
     from kvroute.sim.profile import load_profile
     from kvroute.trace import read_trace
@@ -112,6 +120,16 @@ def srr(
             model=model,
             slo_e2e_s=slo_e2e,
             think_scale=think_scale,
+            slow=SlowConfig(
+                slo_ttft_p90,
+                slo_e2e,
+                overlap_min_tokens,
+                hot_factor,
+                queue_wait,
+                miss_ratio,
+                large_append,
+            ),
+            records_dir=None if out is None else out / "runs",
             proxy=proxy,
             policy_options={"ttft": {"engine_profile": engine}} if engine else {},
         )
@@ -120,7 +138,8 @@ def srr(
         found = srr_api.search(trace, cfg, probe, lambda m: err.print(f"[dim]{m}[/dim]"))
         rates = {p: float(v["rate"]) for p, v in found.items()}
         doc: dict[str, Any] = {
-            "config": {k: v for k, v in cfg.__dict__.items() if k != "policy_options"},
+            "config": {k: v for k, v in cfg.__dict__.items() if k != "policy_options"}
+            | {"slow": cfg.slow.to_dict()},
             "trace": str(trace_path),
             "real": {"rates": found, "causes": srr_api.causes(cfg, rates, probe)},
         }

@@ -20,7 +20,8 @@ swapped (``probe=``) for tests. Not thread-safe (it runs proxies and replays in 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -28,6 +29,7 @@ import pyarrow.compute as pc
 
 from kvroute.errors import InvalidArgumentError
 from kvroute.metrics import summarize
+from kvroute.records import write_records
 from kvroute.report.slow import SlowConfig, cause_counts, label_slow
 from kvroute.sim import RateResult, next_probe
 
@@ -57,6 +59,11 @@ class SrrConfig:
     #: Multiplies the trace's think times (``time_to_parent_chat``), for the real and the
     #: simulated runs alike.
     think_scale: float = 1.0
+    #: The slow-cause rules' thresholds (its SLOs are replaced by ``slo_ttft_p90`` and
+    #: ``slo_e2e_s``).
+    slow: SlowConfig = field(default_factory=SlowConfig)
+    #: Where the runs at the factors are written (``<source>-<policy>-<factor>x``), if at all.
+    records_dir: Path | None = None
     proxy: Mapping[str, Any] = field(default_factory=dict)
     policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -142,15 +149,19 @@ def causes(
     rates: Mapping[str, float],
     probe: Probe,
     factors: Sequence[float] = FACTORS,
+    source: str = "real",
 ) -> dict[str, list[dict[str, Any]]]:
     """Per policy and factor of its rate: the run's figures and its slow requests by cause
-    (a policy whose rate is 0 has none)."""
-    slow = SlowConfig(slo_ttft_s=cfg.slo_ttft_p90, slo_e2e_s=cfg.slo_e2e_s)
+    (a policy whose rate is 0 has none); each run's records written under
+    ``cfg.records_dir`` when set."""
+    slow = replace(cfg.slow, slo_ttft_s=cfg.slo_ttft_p90, slo_e2e_s=cfg.slo_e2e_s)
     out: dict[str, list[dict[str, Any]]] = {}
     for policy, rate in rates.items():
         rows = []
         for f in factors if rate > 0 else ():
             records = probe(policy, rate * f)
+            if cfg.records_dir is not None:
+                write_records(records, cfg.records_dir / f"{source}-{policy}-{f:g}x.parquet")
             labels = label_slow(records, slow)
             _, fig = passes(records, cfg)
             slow_n = sum(x is not None for x in labels)
@@ -219,7 +230,7 @@ def simulated(
     rates = {r.policy: r.rate for r in found}
     return {
         "rates": {r.policy: asdict(r) for r in found},
-        "causes": causes(cfg, rates, probe, factors),
+        "causes": causes(cfg, rates, probe, factors, source="simulated"),
     }
 
 
