@@ -308,7 +308,12 @@ fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patien
         return Some(route(router, sh, &job.rid, k, &[]));
     };
     if router.has_room_on(x) && ticket.is_none_or(|t| t.first_for(x)) {
-        let others: Vec<usize> = (0..router.num_instances()).filter(|&i| i != x).collect();
+        // With every engine under its limit the policy's pick is `x` itself.
+        let n = router.num_instances();
+        let others: Vec<usize> = match (0..n).all(|i| !router.is_available(i) || router.has_room_on(i)) {
+            true => Vec::new(),
+            false => (0..n).filter(|&i| i != x).collect(),
+        };
         return Some(route(router, sh, &job.rid, k, &others));
     }
     let first = ticket.is_none_or(Ticket::is_first);

@@ -141,6 +141,14 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
     let plain = simulate(&o, &config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }));
     assert!(plain.records.router_wait.iter().all(|&w| w == 0.0));
     assert_eq!(plain.stats.max_waiting, 0);
+    // A cap never reached changes nothing.
+    let admission = Some(SimAdmission { max_in_flight: 1000, patience_s: 0.5 });
+    let roomy =
+        simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
+    assert_eq!(
+        (&roomy.records.instance, &roomy.records.finish),
+        (&plain.records.instance, &plain.records.finish)
+    );
 }
 
 #[test]
