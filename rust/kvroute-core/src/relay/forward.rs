@@ -139,7 +139,7 @@ async fn run(job: &Job, req: &Request) -> Answer {
                 }
                 Err(refused) => return Answer::Whole(refused),
             },
-            _ => route(&mut locked(&sh.router), sh, &job.rid, keyed, &tried),
+            _ => route(&mut locked(&sh.router), sh, &job.rid, keyed, Target::Any(&tried)),
         };
         let (decision, terms) = match routed {
             Ok(routed) => routed,
@@ -254,7 +254,7 @@ type Routed = crate::Result<(Decision, Option<Terms>)>;
 async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>> {
     let (sh, keyed) = (&*job.sh, &job.keyed);
     let Some(adm) = &sh.admission else {
-        return Ok((route(&mut locked(&sh.router), sh, &job.rid, keyed, &[]), 0.0));
+        return Ok((route(&mut locked(&sh.router), sh, &job.rid, keyed, Target::Any(&[])), 0.0));
     };
     let name = &adm.config.priority_header;
     let priority = match req.header(name) {
@@ -305,19 +305,13 @@ fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patien
         t.prefer(preferred);
     }
     let Some(x) = preferred else {
-        return Some(route(router, sh, &job.rid, k, &[]));
+        return Some(route(router, sh, &job.rid, k, Target::Any(&[])));
     };
     if router.has_room_on(x) && ticket.is_none_or(|t| t.first_for(x)) {
-        // With every engine under its limit the policy's pick is `x` itself.
-        let n = router.num_instances();
-        let others: Vec<usize> = match (0..n).all(|i| !router.is_available(i) || router.has_room_on(i)) {
-            true => Vec::new(),
-            false => (0..n).filter(|&i| i != x).collect(),
-        };
-        return Some(route(router, sh, &job.rid, k, &others));
+        return Some(route(router, sh, &job.rid, k, Target::On(x)));
     }
     let first = ticket.is_none_or(Ticket::is_first);
-    (first && !patient && router.has_room()).then(|| route(router, sh, &job.rid, k, &[]))
+    (first && !patient && router.has_room()).then(|| route(router, sh, &job.rid, k, Target::Any(&[])))
 }
 
 /// 503 with `Retry-After`: the request was not admitted.
@@ -327,15 +321,26 @@ fn shed(message: &str) -> Response<Out> {
     r
 }
 
-/// Route, with the backends already tried hidden for this one decision; the score terms
-/// before it when the decision log wants them.
-fn route(router: &mut Router, sh: &Shared, rid: &Id, k: &Keyed, tried: &[usize]) -> Routed {
+/// Where a request may be routed: any backend but those already tried, or one bound by
+/// admission ([`Router::route_on`]).
+enum Target<'a> {
+    Any(&'a [usize]),
+    On(usize),
+}
+
+/// Route to `target`; the score terms before it when the decision log wants them.
+fn route(router: &mut Router, sh: &Shared, rid: &Id, k: &Keyed, target: Target<'_>) -> Routed {
     let terms = sh.log.as_ref().map(|_| Terms::read(router, &k.keys, k.input_length));
+    let (keys, n, session) = (&k.keys, k.input_length, k.session.as_ref());
+    let tried = match target {
+        Target::On(x) => return Ok((router.route_on(x, rid.clone(), keys, n, session)?, terms)),
+        Target::Any(tried) => tried,
+    };
     let hidden: Vec<usize> = tried.iter().copied().filter(|&i| router.is_available(i)).collect();
     for &i in &hidden {
         router.set_available(i as i64, false)?;
     }
-    let decision = router.route(rid.clone(), &k.keys, k.input_length, k.session.as_ref());
+    let decision = router.route(rid.clone(), keys, n, session);
     for &i in &hidden {
         router.set_available(i as i64, true)?;
     }

@@ -181,6 +181,33 @@ impl Router {
         decision
     }
 
+    /// [`Router::route`] bound to instance `only` (admission's preferred engine): when every
+    /// available instance has room the policy's pick is `only` itself and this is a plain
+    /// route (its tie counter moves as without admission); otherwise the others sit out this
+    /// one decision.
+    pub fn route_on(
+        &mut self,
+        only: usize,
+        request: Id,
+        keys: &[u64],
+        input_length: u64,
+        session: Option<&Id>,
+    ) -> Result<Decision> {
+        let n = self.num_instances();
+        if (0..n).all(|i| !self.is_available(i) || self.has_room_on(i)) {
+            return self.route(request, keys, input_length, session);
+        }
+        let others: Vec<usize> = (0..n).filter(|&i| i != only && self.is_available(i)).collect();
+        for &i in &others {
+            self.set_available(i as i64, false)?;
+        }
+        let decision = self.route(request, keys, input_length, session);
+        for &i in &others {
+            self.set_available(i as i64, true)?;
+        }
+        decision
+    }
+
     fn route_among(
         &mut self,
         request: Id,

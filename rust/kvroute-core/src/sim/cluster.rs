@@ -284,23 +284,9 @@ impl Loop<'_, '_> {
         let input = self.trace.input_length[i] as u64;
         let output = self.trace.output_length[i] as u64;
         let (rid, session) = (Id::Int(i64::from(row)), Id::Int(i64::from(s)));
-        // With every engine under its cap the policy's pick is the preferred engine itself
-        // (and its tie counter moves as without admission).
-        let n = self.router.num_instances();
-        let only = only.filter(|_| !(0..n).all(|i| self.router.has_room_on(i)));
         let d = match only {
             None => self.router.route(rid, keys, input, Some(&session))?,
-            Some(x) => {
-                let others: Vec<usize> = (0..self.router.num_instances()).filter(|&o| o != x).collect();
-                for &o in &others {
-                    self.router.set_available(o as i64, false)?;
-                }
-                let d = self.router.route(rid, keys, input, Some(&session));
-                for &o in &others {
-                    self.router.set_available(o as i64, true)?;
-                }
-                d?
-            }
+            Some(x) => self.router.route_on(x, rid, keys, input, Some(&session))?,
         };
         self.rec.router_wait[i] = t - arrived;
         self.rec.instance[i] = d.instance as i32;
