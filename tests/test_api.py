@@ -64,6 +64,7 @@ def test_policies_and_properties() -> None:
         "power_of_two",
         "sglang_cache_aware",
         "dynamo_cost",
+        "ttft",
     ]
     r = Router(3, "leastwork", block_size=16)
     assert (r.policy, r.num_instances, r.block_size, r.in_flight) == ("leastwork", 3, 16, 0)
