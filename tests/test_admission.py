@@ -121,6 +121,18 @@ def test_a_waiting_request_goes_to_the_engine_that_freed(tmp_path: Path) -> None
 PREFIX = list(range(4096))  # 8 blocks of 512 tokens
 
 
+def prefix_busy_on_engine_0(url: str, e0: GatedEngine) -> dict[str, Any]:
+    """PREFIX answered on engine 0, then engine 0 busy (at its cap of 1) with PREFIX + [1]:
+    the request keeping it busy."""
+    warm = send(url, PREFIX)
+    wait_until(lambda: e0.arrived == 1, what="the prefix on engine 0")
+    e0.release()
+    warm["thread"].join()
+    busy = send(url, [*PREFIX, 1])
+    wait_until(lambda: e0.arrived == 2, what="engine 0 busy with the prefix again")
+    return busy
+
+
 def test_a_waiting_request_waits_for_the_engine_holding_its_prefix() -> None:
     """``leastwork``: a request whose prefix engine 0 holds prefers engine 0; while engine 0 is
     full it waits for it (engine 1 idle), and a later request that prefers engine 1 passes it;
@@ -130,12 +142,7 @@ def test_a_waiting_request_waits_for_the_engine_holding_its_prefix() -> None:
         proxy,
         (e0, e1),
     ):
-        warm = send(url, PREFIX)
-        wait_until(lambda: e0.arrived == 1, what="the prefix on engine 0")
-        e0.release()
-        warm["thread"].join()
-        busy = send(url, [*PREFIX, 1])
-        wait_until(lambda: e0.arrived == 2, what="engine 0 busy with the prefix again")
+        busy = prefix_busy_on_engine_0(url, e0)
         cached = send(url, [*PREFIX, 2])
         wait_until(lambda: queue(proxy)["waiting"] == 1, what="it to wait for engine 0")
         fresh = send(url, list(range(10_000, 14_096)))  # prefers the idle engine 1
@@ -154,12 +161,7 @@ def test_a_waiting_request_waits_for_the_engine_holding_its_prefix() -> None:
 
 def test_past_its_patience_the_first_waiting_takes_any_engine_with_room() -> None:
     with stack(2, policy="leastwork", queue_size=8, queue_patience_s=0.3) as (url, proxy, (e0, e1)):
-        warm = send(url, PREFIX)
-        wait_until(lambda: e0.arrived == 1, what="the prefix on engine 0")
-        e0.release()
-        warm["thread"].join()
-        busy = send(url, [*PREFIX, 1])
-        wait_until(lambda: e0.arrived == 2, what="engine 0 busy")
+        busy = prefix_busy_on_engine_0(url, e0)
         cached = send(url, [*PREFIX, 2])
         wait_until(lambda: e1.arrived == 1, what="it to give up on engine 0")
         e0.release()

@@ -7,8 +7,9 @@ see ``docs/proxy.md`` and ``docs/replay.md``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -16,6 +17,8 @@ import kvroute
 from kvroute.cli.common import FINITE, BadInput, Finite, output_option
 from kvroute.errors import KvrouteError
 from kvroute.proxy.config import DEFAULT_POLICY
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, Any]:
@@ -37,6 +40,39 @@ def _ready(what: str) -> Any:
         click.echo(f"kvroute {what} listening on {url}", err=True)
 
     return say
+
+
+def admission_options(f: F) -> F:
+    """``--max-in-flight``, ``--queue-size`` and ``--queue-patience`` (``docs/proxy.md``,
+    "Admission"), for the proxy and for the commands that run one."""
+    options = [
+        click.option(
+            "--max-in-flight",
+            default=None,
+            type=click.IntRange(min=1),
+            help="Leave out an engine with this many requests in flight while another has "
+            "fewer [default: off].",
+        ),
+        click.option(
+            "--queue-size",
+            default=None,
+            type=click.IntRange(min=0),
+            help="Admission: while the engine a request's policy prefers is over a limit "
+            "(--max-in-flight, --overload-*), up to this many requests wait at the router, "
+            "routed when it has room [default: off: all engines take part].",
+        ),
+        click.option(
+            "--queue-patience",
+            default=0.5,
+            show_default=True,
+            type=Finite(min=0),
+            help="Seconds a queued request waits for the engine its policy prefers before the "
+            "first in the queue takes any engine with room.",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
 
 
 @click.command("proxy")
@@ -141,35 +177,13 @@ def _ready(what: str) -> Any:
     help="Leave out an engine whose KV-cache usage (0 to 1) reaches this while another's is "
     "under [default: off].",
 )
-@click.option(
-    "--max-in-flight",
-    default=None,
-    type=click.IntRange(min=1),
-    help="Leave out an engine with this many requests in flight while another has fewer "
-    "[default: off].",
-)
-@click.option(
-    "--queue-size",
-    default=None,
-    type=click.IntRange(min=0),
-    help="Admission: while every engine is over a limit (--max-in-flight, --overload-*), up to "
-    "this many requests wait at the router, routed when one has room [default: off: all "
-    "engines take part].",
-)
+@admission_options
 @click.option(
     "--queue-timeout",
     default=30.0,
     show_default=True,
     type=Finite(min=0, min_open=True),
     help="Seconds a request waits in the queue at most (then 503 with Retry-After).",
-)
-@click.option(
-    "--queue-patience",
-    default=0.5,
-    show_default=True,
-    type=Finite(min=0),
-    help="Seconds a queued request waits for the engine its policy prefers before the first "
-    "in the queue takes any engine with room.",
 )
 @click.option(
     "--priority-header",

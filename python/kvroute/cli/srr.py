@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 import kvroute
-from kvroute.cli.common import FINITE, BadInput, Finite, output_option
+from kvroute.cli.common import BadInput, Finite, output_option
+from kvroute.cli.live import admission_options
 from kvroute.cli.report import cause_rule_options
 from kvroute.errors import KvrouteError
 from kvroute.files import write_text
@@ -63,9 +64,7 @@ from kvroute.report.slow import CAUSES, SlowConfig
     "simulator's prediction of the same table beside the measured one.",
 )
 @cause_rule_options
-@click.option("--max-in-flight", default=None, type=click.IntRange(min=1), help="Admission.")
-@click.option("--queue-size", default=None, type=click.IntRange(min=0), help="Admission.")
-@click.option("--queue-patience", default=0.5, show_default=True, type=FINITE)
+@admission_options
 @output_option("--out", folder=True, default=None, help="Write srr.json and srr.md here.")
 def srr(
     trace_path: Path,

@@ -31,7 +31,7 @@ from kvroute.errors import InvalidArgumentError
 from kvroute.metrics import summarize
 from kvroute.records import write_records
 from kvroute.report.slow import SlowConfig, cause_counts, label_slow
-from kvroute.sim import RateResult, next_probe
+from kvroute.sim import RateResult, next_probe, session_rate
 
 #: The multiples of the sustainable rate whose slow requests are labelled (the study's B5).
 FACTORS = (0.9, 1.0, 1.1)
@@ -106,13 +106,6 @@ def scaled(trace: pa.Table, cfg: SrrConfig) -> pa.Table:
         return trace
     col = pc.multiply(trace.column(name), pa.scalar(cfg.think_scale, trace.schema.field(name).type))
     return trace.set_column(trace.schema.get_field_index(name), name, col)
-
-
-def session_rate(trace: pa.Table) -> float:
-    """The trace's own session rate (sessions over its time span, at least 1 s)."""
-    ts = trace.column("timestamp").to_numpy()
-    sessions = len(trace.column("session_id").unique())
-    return float(sessions / max(float(ts.max() - ts.min()), 1.0))
 
 
 def search(
@@ -242,6 +235,5 @@ __all__ = [
     "passes",
     "scaled",
     "search",
-    "session_rate",
     "simulated",
 ]

@@ -70,6 +70,7 @@ __all__ = [
     "next_probe",
     "presets",
     "resolve_policies",
+    "session_rate",
     "simulate",
     "sustainable_rate",
     "sweep",
@@ -409,9 +410,7 @@ def sustainable_rate(
         need_capped="capped" in names,
     )
     if start is None:
-        ts = s.table.column("timestamp").to_numpy()
-        sessions = len(s.table.column("session_id").unique())
-        start = sessions / max(float(ts.max() - ts.min()), 1.0)
+        start = session_rate(s.table)
     state = {p: RateResult(p, 0.0, None) for p in names}
     probe = dict.fromkeys(names, float(start))
     # One cluster for every round (a local one starts once, not once per round).
@@ -444,6 +443,13 @@ def sustainable_rate(
 def _own(policy: str, params: Mapping[str, float] | None) -> dict[str, float]:
     """The parameters ``policy`` reads."""
     return {k: float(v) for k, v in (params or {}).items() if policy in PARAM_POLICIES.get(k, ())}
+
+
+def session_rate(trace: pa.Table) -> float:
+    """A trace's own session rate: sessions over its time span (at least 1 s), per second."""
+    ts = trace.column("timestamp").to_numpy()
+    sessions = len(trace.column("session_id").unique())
+    return float(sessions / max(float(ts.max() - ts.min()), 1.0))
 
 
 def next_probe(st: RateResult, rel_tol: float, start: float) -> float:

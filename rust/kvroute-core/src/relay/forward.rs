@@ -332,18 +332,10 @@ enum Target<'a> {
 fn route(router: &mut Router, sh: &Shared, rid: &Id, k: &Keyed, target: Target<'_>) -> Routed {
     let terms = sh.log.as_ref().map(|_| Terms::read(router, &k.keys, k.input_length));
     let (keys, n, session) = (&k.keys, k.input_length, k.session.as_ref());
-    let tried = match target {
-        Target::On(x) => return Ok((router.route_on(x, rid.clone(), keys, n, session)?, terms)),
-        Target::Any(tried) => tried,
+    let decision = match target {
+        Target::On(x) => router.route_on(x, rid.clone(), keys, n, session),
+        Target::Any(tried) => router.route_excluding(tried, rid.clone(), keys, n, session),
     };
-    let hidden: Vec<usize> = tried.iter().copied().filter(|&i| router.is_available(i)).collect();
-    for &i in &hidden {
-        router.set_available(i as i64, false)?;
-    }
-    let decision = router.route(rid.clone(), keys, n, session);
-    for &i in &hidden {
-        router.set_available(i as i64, true)?;
-    }
     Ok((decision?, terms))
 }
 

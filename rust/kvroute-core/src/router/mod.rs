@@ -194,15 +194,29 @@ impl Router {
         session: Option<&Id>,
     ) -> Result<Decision> {
         let n = self.num_instances();
-        if (0..n).all(|i| !self.is_available(i) || self.has_room_on(i)) {
-            return self.route(request, keys, input_length, session);
-        }
-        let others: Vec<usize> = (0..n).filter(|&i| i != only && self.is_available(i)).collect();
-        for &i in &others {
+        let others: Vec<usize> = match (0..n).all(|i| !self.is_available(i) || self.has_room_on(i)) {
+            true => Vec::new(),
+            false => (0..n).filter(|&i| i != only).collect(),
+        };
+        self.route_excluding(&others, request, keys, input_length, session)
+    }
+
+    /// [`Router::route`] with the instances in `excluded` sitting out this one decision (a
+    /// retry's backends already tried; admission's binding).
+    pub fn route_excluding(
+        &mut self,
+        excluded: &[usize],
+        request: Id,
+        keys: &[u64],
+        input_length: u64,
+        session: Option<&Id>,
+    ) -> Result<Decision> {
+        let hidden: Vec<usize> = excluded.iter().copied().filter(|&i| self.is_available(i)).collect();
+        for &i in &hidden {
             self.set_available(i as i64, false)?;
         }
         let decision = self.route(request, keys, input_length, session);
-        for &i in &others {
+        for &i in &hidden {
             self.set_available(i as i64, true)?;
         }
         decision
