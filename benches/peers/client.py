@@ -9,6 +9,7 @@ one connection pool; O(requests).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ class Result:
     ttft: float | None
     e2e: float
     error: str | None = None
+    turn: int = 0
+    sent: float = 0.0  # seconds from the run's start
+    engine: int | None = None  # kvroute's X-Kvroute-Instance, where the router says
 
 
 def _has_choice(chunk: dict[str, object]) -> bool:
@@ -47,8 +51,11 @@ async def _one(
     data = json.dumps({"model": model, **req.body}).encode()
     start = time.monotonic()
     first: float | None = None
+    engine: int | None = None
     try:
         async with http.post(url + req.path, data=data, headers=headers) as resp:
+            instance = resp.headers.get("X-Kvroute-Instance")
+            engine = int(instance) if instance is not None else None
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return Result(
@@ -67,7 +74,7 @@ async def _one(
     end = time.monotonic()
     ok = first is not None
     return Result(session, ok, None if first is None else first - start, end - start,
-                  None if ok else "no token")  # fmt: skip
+                  None if ok else "no token", engine=engine)  # fmt: skip
 
 
 async def _run(
@@ -79,18 +86,20 @@ async def _run(
     results: list[Result] = []
     sent = [0]
     conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+    start = time.monotonic()
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=conn) as http:
 
         async def worker() -> None:
             while not queue.empty():
                 i = queue.get_nowait()
                 sid = workload.session_ids[i] if sessions else None
-                for req in workload.sessions[i]:
+                for turn, req in enumerate(workload.sessions[i]):
                     url = urls[sent[0] % len(urls)]  # per request, in turn: a round robin
                     sent[0] += 1
-                    results.append(await _one(http, url, req, model, i, sid))
+                    at = time.monotonic() - start
+                    got = await _one(http, url, req, model, i, sid)
+                    results.append(dataclasses.replace(got, turn=turn, sent=at))
 
-        start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.monotonic() - start
     return results, wall

@@ -169,7 +169,7 @@ ARMS: dict[str, Arm] = {
                 "kvroute",
                 _kvroute("--max-in-flight", str(n), "--queue-size", "1024"),
             )
-            for n in (2, 3, 4)
+            for n in (2, 3, 4, 5, 6)
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target
         # (seconds), the most cache reuse among the engines predicted to meet it.

@@ -130,10 +130,12 @@ def measure_arm(
     log_dir: Path,
     peers_bin: Path | None,
     outside: int = 0,
+    requests_file: Path | None = None,
 ) -> dict[str, Any]:
     """One arm's figures on ``work`` (see the module doc), with ``outside`` clients sending
     the first engine requests of their own meanwhile (:class:`Outside`; their requests and
-    prompt tokens are taken out of its counters)."""
+    prompt tokens are taken out of its counters); each request as the client saw it in
+    ``requests_file`` (JSON lines), when given."""
     urls = list(fleet.urls)
     port, metrics = engines.realvllm.free_ports(2)
 
@@ -158,6 +160,9 @@ def measure_arm(
             cpu1 = sum(r.cpu_seconds() for r in started)
         time.sleep(0.5)  # the engines' last counters
         after = [engines.counters(u) for u in urls]
+    if requests_file is not None:
+        requests_file.parent.mkdir(parents=True, exist_ok=True)
+        requests_file.write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
     pairs = list(zip(after, before, strict=True))
     hits = sum(a.hits - b.hits for a, b in pairs)
     queries = sum(a.queries - b.queries for a, b in pairs) - other.done * OUTSIDE_PROMPT_TOKENS
@@ -320,6 +325,7 @@ def run(
                             got = measure_arm(
                                 arm, fleet, work, ceilings[name]["any_session"],
                                 LOADS[load], log_dir / "routers", peers_bin, outside,
+                                log_dir / "requests" / f"{name}-{load}-{rnd + 1}-{arm.name}.jsonl",
                             )  # fmt: skip
                         except RuntimeError as exc:  # the router did not start
                             got = _failed(work.requests, len(fleet.urls), str(exc))
