@@ -54,7 +54,7 @@ def test_the_search_finds_a_known_capacity() -> None:
     capacity = {"leastwork": 4.0, "unified": 2.0}
     probed: list[tuple[str, float]] = []
 
-    def probe(policy: str, rate: float) -> pa.Table:
+    def probe(policy: str, rate: float, seed: int) -> pa.Table:
         probed.append((policy, rate))
         return records(rate / capacity[policy])
 
@@ -72,14 +72,31 @@ def test_a_run_with_an_error_fails_and_causes_are_counted() -> None:
     cfg = config(policies=("leastwork",))
     assert not srr.passes(records(0.1, error="HTTP 503"), cfg)[0]
     assert srr.passes(records(0.1), cfg)[0]
-    rows = srr.causes(cfg, {"leastwork": 2.0}, lambda p, r: records(r))
+    rows = srr.causes(cfg, {"leastwork": 2.0}, lambda p, r, s: records(r))
     assert [r["factor"] for r in rows["leastwork"]] == [0.9, 1.0, 1.1]
     # At 1.1x every request takes 2.2 s > 1 s: all slow, none with a known cause here.
     last = rows["leastwork"][-1]
     assert last["slow"] == 20 and last["unknown"] == 20 and last["rate"] == pytest.approx(2.2)
-    assert srr.causes(cfg, {"leastwork": 0.0}, lambda p, r: records(r)) == {"leastwork": []}
+    assert srr.causes(cfg, {"leastwork": 0.0}, lambda p, r, s: records(r)) == {"leastwork": []}
     with pytest.raises(InvalidArgumentError, match="slo_ttft_p90"):
         config(slo_ttft_p90=0.0)
+
+
+def test_a_probe_runs_every_seed_and_judges_their_requests_together() -> None:
+    cfg = config(policies=("leastwork",), seed=5, seeds=3)
+    seen: list[int] = []
+
+    def probe(policy: str, rate: float, seed: int) -> pa.Table:
+        seen.append(seed)
+        return records(2.0 if seed == 6 else 0.1)  # one draw of three is slow
+
+    ok, fig = srr.passes(srr.runs(probe, cfg, "leastwork", 1.0), cfg)
+    assert seen == [5, 6, 7] and fig["requests"] == 60
+    assert not ok and fig["ttft_p90"] == pytest.approx(2.0), "a third of the requests are slow"
+    rows = srr.causes(cfg, {"leastwork": 1.0}, probe, factors=(1.0,))["leastwork"]
+    assert rows[0]["requests"] == 60 and rows[0]["slow"] == 20
+    with pytest.raises(InvalidArgumentError, match="seeds"):
+        config(seeds=0)
 
 
 def test_think_times_are_scaled() -> None:
@@ -107,6 +124,8 @@ def test_the_command_on_emulators(tmp_path: Path) -> None:
             "4",
             "--think-scale",
             "0.5",
+            "--seeds",
+            "2",
         ]
         args += ["--engine-profile", str(profile(tmp_path / "p.json")), "--out", str(out)]
         result = CliRunner().invoke(main, args)
@@ -128,13 +147,13 @@ def test_the_command_on_emulators(tmp_path: Path) -> None:
                     )
                 )
     probes = doc["real"]["rates"]["leastwork"]["probes"]
-    assert len(probes) == 2 and all(p["ok"] and p["requests"] == 8 for p in probes)
+    assert len(probes) == 2 and all(p["ok"] and p["requests"] == 16 for p in probes), "2 seeds"
     assert doc["real"]["rates"]["leastwork"]["rate"] == 8.0, "4 then 8 passed; no failure yet"
     assert "| leastwork | real |" in (out / "srr.md").read_text()
     runs = sorted(p.name for p in (out / "runs").iterdir())
     assert (
-        len(runs) == 12
-        and "real-ttft-1.1x.parquet" in runs
-        and "simulated-leastwork-0.9x.parquet" in runs
+        len(runs) == 24
+        and "real-ttft-1.1x-seed1.parquet" in runs
+        and "simulated-leastwork-0.9x-seed0.parquet" in runs
     )
     assert doc["config"]["slow"]["overlap_min_tokens"] == 8192

@@ -55,6 +55,13 @@ from kvroute.report.slow import CAUSES, SlowConfig
 @click.option("--rel-tol", default=0.1, show_default=True, type=Finite(min=0, min_open=True))
 @click.option("--max-rounds", default=8, show_default=True, type=click.IntRange(1, 100))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--seeds",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="Runs per probe (arrival seeds SEED, SEED+1, ...), judged together.",
+)
 @click.option("--model", default=None, help="Model name [default: the engines' first].")
 @click.option(
     "--engine-profile",
@@ -78,6 +85,7 @@ def srr(
     rel_tol: float,
     max_rounds: int,
     seed: int,
+    seeds: int,
     model: str | None,
     engine_profile: Path | None,
     max_in_flight: int | None,
@@ -116,6 +124,7 @@ def srr(
             rel_tol=rel_tol,
             max_rounds=max_rounds,
             seed=seed,
+            seeds=seeds,
             model=model,
             slo_e2e_s=slo_e2e,
             think_scale=think_scale,

@@ -3,24 +3,27 @@ replaying a trace open-loop (Poisson session arrivals) through a kvroute proxy i
 the engines, and the causes of the SLO-violating requests at 0.9x, 1.0x and 1.1x of it
 (``docs/report.md``, "Sustainable rate on running engines").
 
-A probe at rate r replays the whole trace in ``poisson`` mode at r sessions/s through a
-proxy (in this process, one per probe, the policy's and the given proxy settings) with the
-engines' prefix caches reset first. It passes when every request succeeded and TTFT p90
-and TPOT p90 are within the SLOs. The search is the simulator's
-(:func:`kvroute.sim.sustainable_rate`): double from ``start`` while probes pass, halve while
-they fail, then bisect until ``upper / rate - 1 <= rel_tol``; one policy at a time (the
-engines are shared). The slow requests of the runs at the three factors are labelled with
-:func:`kvroute.report.slow.label_slow`. With an engine profile the simulator's answer to the
-same questions is computed beside it.
+A probe at rate r replays the whole trace in ``poisson`` mode at r sessions/s, once per
+seed (``seeds`` arrival draws from ``seed`` on), through a proxy (in this process, one per
+run, the policy's and the given proxy settings) with the engines' prefix caches reset before
+each run. It passes when every request of its runs succeeded and TTFT p90 and TPOT p90 over
+all of them are within the SLOs. The search is the simulator's (:func:`kvroute.sim.next_probe`):
+double from ``start`` while probes pass, halve while they fail, then bisect until
+``upper / rate - 1 <= rel_tol``; one policy at a time (the engines are shared). The slow
+requests of the runs at the three factors are labelled with
+:func:`kvroute.report.slow.label_slow`, run by run, and counted together. With an engine
+profile the simulator's answer to the same questions, by the same search on the same seeds,
+is computed beside it.
 
-Cost: one replay of the trace per probe (minutes on real engines); the probe function can be
-swapped (``probe=``) for tests. Not thread-safe (it runs proxies and replays in turn).
+Cost: ``seeds`` replays of the trace per probe (seconds to minutes each on real engines); the
+probe function can be swapped for tests. Not thread-safe (it runs proxies and replays in
+turn).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +32,15 @@ import pyarrow.compute as pc
 
 from kvroute.errors import InvalidArgumentError
 from kvroute.metrics import summarize
-from kvroute.records import write_records
+from kvroute.records import conform_records, write_records
 from kvroute.report.slow import SlowConfig, cause_counts, label_slow
 from kvroute.sim import RateResult, next_probe, session_rate
 
 #: The multiples of the sustainable rate whose slow requests are labelled (the study's B5).
 FACTORS = (0.9, 1.0, 1.1)
 
-#: A probe: (policy, rate in sessions/s) -> the run's records.
-Probe = Callable[[str, float], pa.Table]
+#: A probe: (policy, rate in sessions/s, seed of the arrivals) -> the run's records.
+Probe = Callable[[str, float, int], pa.Table]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class SrrConfig:
     rel_tol: float = 0.1
     max_rounds: int = 8
     seed: int = 0
+    #: Runs per probe, with the seeds ``seed``, ``seed + 1``, ...: their requests are judged
+    #: together (a short trace's p90 moves with one draw of the arrivals).
+    seeds: int = 1
     model: str | None = None
     slo_e2e_s: float = 30.0
     #: Multiplies the trace's think times (``time_to_parent_chat``), for the real and the
@@ -79,10 +85,20 @@ class SrrConfig:
             raise InvalidArgumentError(f"start must be a positive rate, got {self.start}")
         if self.max_rounds < 1:
             raise InvalidArgumentError(f"max_rounds must be at least 1, got {self.max_rounds}")
+        if self.seeds < 1:
+            raise InvalidArgumentError(f"seeds must be at least 1, got {self.seeds}")
 
 
-def passes(records: pa.Table, cfg: SrrConfig) -> tuple[bool, dict[str, Any]]:
-    """Whether a probe's run meets the SLOs, and its figures (requests, errors, p90s)."""
+def runs(probe: Probe, cfg: SrrConfig, policy: str, rate: float) -> list[pa.Table]:
+    """A probe's runs: one per seed."""
+    return [probe(policy, rate, cfg.seed + k) for k in range(cfg.seeds)]
+
+
+def passes(records: pa.Table | Sequence[pa.Table], cfg: SrrConfig) -> tuple[bool, dict[str, Any]]:
+    """Whether a probe's runs meet the SLOs, their requests taken together, and the
+    figures (requests, errors, p90s)."""
+    if not isinstance(records, pa.Table):
+        records = pa.concat_tables([conform_records(r) for r in records])
     s = summarize(records)
     ttft, tpot = s["ttft"]["p90"], s["tpot"]["p90"]
     ok = (
@@ -124,7 +140,7 @@ def search(
         for _ in range(cfg.max_rounds):
             if rate <= 0:
                 break
-            ok, fig = passes(probe(policy, rate), cfg)
+            ok, fig = passes(runs(probe, cfg, policy, rate), cfg)
             st.probes.append((rate, fig["ttft_p90"], fig["tpot_p90"], ok))
             figures.append({"rate": rate, "ok": ok, **fig})
             progress(f"{policy} at {rate:.4g} sessions/s: {'pass' if ok else 'fail'} {fig}")
@@ -144,19 +160,22 @@ def causes(
     factors: Sequence[float] = FACTORS,
     source: str = "real",
 ) -> dict[str, list[dict[str, Any]]]:
-    """Per policy and factor of its rate: the run's figures and its slow requests by cause
-    (a policy whose rate is 0 has none); each run's records written under
-    ``cfg.records_dir`` when set."""
+    """Per policy and factor of its rate: the runs' figures and their slow requests by
+    cause (a policy whose rate is 0 has none); each run's records written under
+    ``cfg.records_dir`` (``<source>-<policy>-<factor>x-seed<seed>.parquet``) when set."""
     slow = replace(cfg.slow, slo_ttft_s=cfg.slo_ttft_p90, slo_e2e_s=cfg.slo_e2e_s)
     out: dict[str, list[dict[str, Any]]] = {}
     for policy, rate in rates.items():
         rows = []
         for f in factors if rate > 0 else ():
-            records = probe(policy, rate * f)
-            if cfg.records_dir is not None:
-                write_records(records, cfg.records_dir / f"{source}-{policy}-{f:g}x.parquet")
-            labels = label_slow(records, slow)
-            _, fig = passes(records, cfg)
+            done = runs(probe, cfg, policy, rate * f)
+            labels: list[str | None] = []
+            for k, records in enumerate(done):
+                if cfg.records_dir is not None:
+                    name = f"{source}-{policy}-{f:g}x-seed{cfg.seed + k}.parquet"
+                    write_records(records, cfg.records_dir / name)
+                labels += label_slow(records, slow)
+            _, fig = passes(done, cfg)
             slow_n = sum(x is not None for x in labels)
             rows.append(
                 {"factor": f, "rate": rate * f, **fig, "slow": slow_n, **cause_counts(labels)}
@@ -174,7 +193,7 @@ def live_probe(trace: pa.Table, cfg: SrrConfig) -> Probe:
     block, _ = block_size(list(cfg.urls))
     trace = scaled(trace, cfg)
 
-    def run(policy: str, rate: float) -> pa.Table:
+    def run(policy: str, rate: float, seed: int) -> pa.Table:
         options = {"block_size": block, **cfg.policy_options.get(policy, {})}
         config = ProxyConfig(
             backends=list(cfg.urls), policy=policy, router_options=options, **cfg.proxy
@@ -182,7 +201,7 @@ def live_probe(trace: pa.Table, cfg: SrrConfig) -> Probe:
         with ServerThread() as st:
             url = st.start(Proxy(config))
             rc = ReplayConfig(
-                url=url, mode="poisson", rate=rate, seed=cfg.seed, model=cfg.model,
+                url=url, mode="poisson", rate=rate, seed=seed, model=cfg.model,
                 reset_cache=True, request_timeout_s=600.0,
             )  # fmt: skip
             return replay(trace, rc)
@@ -193,8 +212,9 @@ def live_probe(trace: pa.Table, cfg: SrrConfig) -> Probe:
 def simulated(
     trace: pa.Table, cfg: SrrConfig, engine: Mapping[str, float], factors: Sequence[float] = FACTORS
 ) -> dict[str, Any]:
-    """The simulator's answer on a calibrated profile (``engine``): the sustainable rates
-    and the slow requests by cause at the same factors of its own rates."""
+    """The simulator's answer on a calibrated profile (``engine``): the sustainable rates,
+    by the same search on the same seeds (at least 12 rounds: probes cost milliseconds), and
+    the slow requests by cause at the same factors of its own rates."""
     from kvroute import sim
 
     trace = scaled(trace, cfg)
@@ -205,26 +225,18 @@ def simulated(
     }
     if not params.get("max_in_flight") or cfg.proxy.get("queue_size") is None:
         params = {}  # no admission
-    found = sim.sustainable_rate(
-        trace, policies=list(cfg.policies), slo_ttft_p90=cfg.slo_ttft_p90,
-        slo_tpot_p90=cfg.slo_tpot_p90, start=cfg.start or session_rate(trace),
-        rel_tol=cfg.rel_tol, max_rounds=max(cfg.max_rounds, 12), seed=cfg.seed,
-        instances=len(cfg.urls), engine=dict(engine), params=params or None,
-    )  # fmt: skip
 
-    def probe(policy: str, rate: float) -> pa.Table:
-        runs = sim.sweep(
-            trace, policies=[policy], modes=["poisson"], seeds=[cfg.seed], rates=[rate],
+    def probe(policy: str, rate: float, seed: int) -> pa.Table:
+        done = sim.sweep(
+            trace, policies=[policy], modes=["poisson"], seeds=[seed], rates=[rate],
             grid={k: [v] for k, v in params.items()}, instances=len(cfg.urls),
             engine=dict(engine), sample_interval=0.0,
         )  # fmt: skip
-        return runs[0].records
+        return done[0].records
 
-    rates = {r.policy: r.rate for r in found}
-    return {
-        "rates": {r.policy: asdict(r) for r in found},
-        "causes": causes(cfg, rates, probe, factors, source="simulated"),
-    }
+    found = search(trace, replace(cfg, max_rounds=max(cfg.max_rounds, 12)), probe)
+    rates = {p: float(v["rate"]) for p, v in found.items()}
+    return {"rates": found, "causes": causes(cfg, rates, probe, factors, source="simulated")}
 
 
 __all__ = [
@@ -233,6 +245,7 @@ __all__ = [
     "causes",
     "live_probe",
     "passes",
+    "runs",
     "scaled",
     "search",
     "simulated",
