@@ -628,8 +628,9 @@ class ReferenceRouter:
     def _dynamo(self, avail: list[int], keys: list[int], n: int) -> tuple[int, str]:
         """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks.
 
-        prefill_blocks = (pending_prefill_tokens + new_prefill) / block_size, decode_blocks = (ongoing_tokens +
-        input_length) / block_size. Temperature 0: the minimum, ties by a seeded draw among
+        prefill_blocks = (pending_prefill_tokens + new_prefill) / block_size (the prefill queued
+        there and this request's), decode_blocks = (ongoing_tokens + input_length) /
+        block_size. Temperature 0: the minimum, ties by a seeded draw among
         them. Above 0: a seeded softmax draw over ``-(cost / (max - min)) / temperature``
         (a uniform draw among the minima when every cost is equal).
         """
