@@ -628,17 +628,15 @@ class ReferenceRouter:
     def _dynamo(self, avail: list[int], keys: list[int], n: int) -> tuple[int, str]:
         """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks.
 
-        prefill_blocks = (pending_prefill_tokens + new_prefill) / block_size (the prefill queued
-        there and this request's), decode_blocks = (ongoing_tokens + input_length) /
-        block_size. Temperature 0: the minimum, ties by a seeded draw among
+        prefill_blocks = new_prefill / block_size, decode_blocks = (ongoing_tokens +
+        input_length) / block_size. Temperature 0: the minimum, ties by a seeded draw among
         them. Above 0: a seeded softmax draw over ``-(cost / (max - min)) / temperature``
         (a uniform draw among the minima when every cost is equal).
         """
         bs = float(self.block_size)
         costs = []
         for i in avail:
-            pending = self.instances[i].pending_prefill_tokens
-            prefill_blocks = float(pending + self.new_prefill(i, keys, n)) / bs
+            prefill_blocks = float(self.new_prefill(i, keys, n)) / bs
             decode_blocks = float(self.instances[i].ongoing_tokens + n) / bs
             costs.append(self.overlap_weight * prefill_blocks + decode_blocks)
         lo, hi = min(costs), max(costs)

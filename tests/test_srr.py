@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
+from kvroute import sim
 from kvroute.cli import main
 from kvroute.errors import InvalidArgumentError
 from kvroute.records import conform_records
@@ -97,6 +100,23 @@ def test_a_probe_runs_every_seed_and_judges_their_requests_together() -> None:
     assert rows[0]["requests"] == 60 and rows[0]["slow"] == 20
     with pytest.raises(InvalidArgumentError, match="seeds"):
         config(seeds=0)
+
+
+def test_the_simulator_routes_with_the_proxys_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    grids: dict[str, dict[str, list[float]]] = {}
+
+    def sweep(trace: pa.Table, **kw: Any) -> list[SimpleNamespace]:
+        grids[kw["policies"][0]] = kw["grid"]
+        return [SimpleNamespace(records=records(0.1))]
+
+    monkeypatch.setattr(sim, "sweep", sweep)
+    admission = {"max_in_flight": 4, "queue_size": 8, "queue_patience_s": 0.5}
+    cfg = config(policies=("unified_dynamo", "leastwork"), proxy=admission)
+    trace = pa.table({"timestamp": [0.0], "session_id": [0]})
+    got = srr.simulated(trace, cfg, engine={}, factors=(1.0,))
+    queue = {"max_in_flight": [4.0], "queue_patience_s": [0.5]}
+    assert grids == {"unified_dynamo": {"overlap_weight": [8.0], **queue}, "leastwork": queue}
+    assert got["rates"]["leastwork"]["upper"] is None, "every fake probe passed"
 
 
 def test_think_times_are_scaled() -> None:

@@ -214,23 +214,30 @@ def simulated(
 ) -> dict[str, Any]:
     """The simulator's answer on a calibrated profile (``engine``): the sustainable rates,
     by the same search on the same seeds (at least 12 rounds: probes cost milliseconds), and
-    the slow requests by cause at the same factors of its own rates."""
+    the slow requests by cause at the same factors of its own rates. Each policy routes with
+    the parameters the proxy gives it (``POLICY_OPTIONS``, then ``policy_options``)."""
     from kvroute import sim
+    from kvroute.proxy.config import POLICY_OPTIONS
 
     trace = scaled(trace, cfg)
-    params = {
+    admission = {
         k: float(v)
         for k, v in cfg.proxy.items()
         if k in ("max_in_flight", "queue_patience_s") and v is not None
     }
-    if not params.get("max_in_flight") or cfg.proxy.get("queue_size") is None:
-        params = {}  # no admission
+    if not admission.get("max_in_flight") or cfg.proxy.get("queue_size") is None:
+        admission = {}  # no admission
+
+    def params(policy: str) -> dict[str, list[float]]:
+        given = {**POLICY_OPTIONS.get(policy, {}), **cfg.policy_options.get(policy, {})}
+        own = {k: float(v) for k, v in given.items() if policy in sim.PARAM_POLICIES.get(k, ())}
+        return {k: [v] for k, v in {**own, **admission}.items()}
 
     def probe(policy: str, rate: float, seed: int) -> pa.Table:
         done = sim.sweep(
             trace, policies=[policy], modes=["poisson"], seeds=[seed], rates=[rate],
-            grid={k: [v] for k, v in params.items()}, instances=len(cfg.urls),
-            engine=dict(engine), sample_interval=0.0,
+            grid=params(policy), instances=len(cfg.urls), engine=dict(engine),
+            sample_interval=0.0,
         )  # fmt: skip
         return done[0].records
 

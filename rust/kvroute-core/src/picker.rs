@@ -312,8 +312,7 @@ fn dynamo_cost(p: &PolicyParams, input: &PickInput<'_>, state: &mut PickState) -
     let costs: Vec<(usize, f64)> = input
         .available()
         .map(|i| {
-            // The prefill the engine would have to do: what is queued there, and this request's.
-            let prefill_blocks = input.prefill_work(i) as f64 / bs;
+            let prefill_blocks = input.new_prefill(i) as f64 / bs;
             let decode_blocks = input.loads[i].ongoing_tokens.saturating_add(input.input_length) as f64 / bs;
             (i, p.overlap_weight * prefill_blocks + decode_blocks)
         })
