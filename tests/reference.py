@@ -558,9 +558,10 @@ class ReferenceRouter:
     def predicted_ttft(self, i: int, new_prefill: int, n: int) -> float:
         """Seconds until this request's first token on instance i (SEMANTICS §3 ``ttft``):
         ``steps * per_step + prefill_s_per_token * work + prefill_s_per_pair * new * (hit +
-        new / 2) + admit_s_per_token * input_length + request_overhead_s``, where work is the
-        instance's pending prefill plus this request's, steps = ceil(work / batch) (>= 1), and
-        per_step the step overhead plus the decode terms of its running requests."""
+        new / 2) + admit_s_per_token * input_length + admit_s_per_request +
+        request_overhead_s``, where work is the instance's pending prefill plus this request's,
+        steps = ceil(work / batch) (>= 1), and per_step the step overhead plus the decode terms
+        of its running requests."""
         c, inst = self.ttft_costs, self.instances[i]
         work = min(inst.pending_prefill_tokens + new_prefill, U64_MAX)
         steps = max(1, -(-work // int(c["max_num_batched_tokens"])))
@@ -575,6 +576,7 @@ class ReferenceRouter:
             + c["prefill_s_per_token"] * work
             + c["prefill_s_per_pair"] * new * ((n - new_prefill) + new / 2.0)
             + c["admit_s_per_token"] * n
+            + c["admit_s_per_request"]
             + c["request_overhead_s"]
         )
 

@@ -67,6 +67,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
             "decode_s_per_seq": draw(st.sampled_from([7.9e-4, 0.0, 1.0])),
             "decode_s_per_ctx_token": draw(st.sampled_from([3.9e-7, 0.0, 0.1])),
             "admit_s_per_token": draw(st.sampled_from([2.55e-6, 0.0])),
+            "admit_s_per_request": draw(st.sampled_from([0.004, 0.0])),
             "request_overhead_s": draw(st.sampled_from([0.0095, 0.0])),
             "max_num_batched_tokens": draw(st.sampled_from([2048, 1, 4, 16])),
         }

@@ -50,7 +50,7 @@ def test_calibration_predicts_held_out_points(profile: dict[str, Any]) -> None:
     fit, held = profile["fit"]["error"]["all"], profile["held_out"]["error"]["all"]
     # The standard grid completes on both engines (1 GiB of KV each: every point fits).
     assert profile["engine"]["skipped"] == [] and len(profile["engine"]["urls"]) == 2
-    assert held["points"] == 10 and fit["points"] == 34
+    assert held["points"] == 11 and fit["points"] == 38
     # The profile states its error on the points it was fitted to; points it never saw are
     # predicted about within it: their median within 1.25 times the fit's worst error, their
     # p90 within twice that error. (Repeated points differ by 10% on this 2-core machine, so a

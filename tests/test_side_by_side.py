@@ -33,6 +33,7 @@ TERMS = {
     "decode_s_per_seq": 5e-4,
     "decode_s_per_ctx_token": 1e-7,
     "admit_s_per_token": 2e-6,
+    "admit_s_per_request": 0.001,
     "request_overhead_s": 0.002,
 }
 

@@ -27,6 +27,7 @@ _TERMS = {
     "decode_s_per_seq": ("decode per sequence", 1e3, "ms"),
     "decode_s_per_ctx_token": ("decode per context token", 1e6, "µs"),
     "admit_s_per_token": ("admission per prompt token", 1e6, "µs"),
+    "admit_s_per_request": ("admission per request", 1e3, "ms"),
     "request_overhead_s": ("request overhead", 1e3, "ms"),
 }
 

@@ -18,11 +18,17 @@ cannot move). What a point measures:
   finish; the median;
 * ``mixed``: ``batch`` decoding requests, started as for ``decode``; when each has streamed
   ``MIXED_WARMUP`` tokens, one prefill is sent; the longest gap of each decoder while it is
-  prefilled; the median.
+  prefilled; the median;
+* ``arrival``: ``batch`` decoding requests, started as for ``mixed``; then ``ARRIVALS``
+  requests of ``new`` tokens after ``cached`` ones (their prefixes sent before), one after
+  another with one output token each; for each, what the decoders' gaps from its sending to
+  just after its answer took beyond their median gap (the median over the decoders); the
+  median. It sees what a request costs the running ones wherever its handling takes the
+  engine's time, which a lone prefill cannot tell from the request's own latency.
 
-A decode or mixed point whose decoders did not stream long enough together (a fast engine, or
-requests that reached it far apart) is tried again with as many more tokens per decoder as
-the try showed it needs (:data:`GROWTHS` times at most, while the context and the KV pool
+A decode, mixed or arrival point whose decoders did not stream long enough together (a fast
+engine, or requests that reached it far apart) is tried again with as many more tokens per
+decoder as the try showed it needs (:data:`GROWTHS` times at most, while the context and the KV pool
 allow); a point that still fails, or fails otherwise :data:`POINT_TRIES` times, is skipped
 and listed, and an engine that fails :data:`MAX_FAILED_IN_ROW` points in a row is given up.
 The grid's points are spread over the engines (each engine runs one point at a time; the
@@ -69,6 +75,14 @@ SETTLE_S = 0.02
 #: ``MIN_WINDOW_CHUNKS`` chunks, streamed while the whole batch decodes.
 MIN_WINDOW_TOKENS = 8
 MIN_WINDOW_CHUNKS = 3
+#: Requests an arrival point sends, one after another, beside one decoding batch; seconds
+#: after each answer before the next is sent (so that the engine is done with it); seconds
+#: after an answer that its cost is still looked for in the decoders' gaps.
+ARRIVALS = 6
+ARRIVAL_PAUSE_S = 0.05
+ARRIVAL_TAIL_S = 0.01
+#: Gaps on each side of an arrival's that give the decoders' usual gap beside it.
+EXCESS_BASE_GAPS = 4
 #: How many times a decode or mixed point may be tried again with more tokens per decoder.
 GROWTHS = 4
 #: How many times a point that fails otherwise (an error answer, a lost connection) is tried.
@@ -111,6 +125,8 @@ class Grid:
     contexts: tuple[int, ...]
     #: (batch, context, prefill tokens) of the mixed points.
     mixed: tuple[tuple[int, int, int], ...]
+    #: (batch, context, new tokens, cached tokens) of the arrival points.
+    arrivals: tuple[tuple[int, int, int, int], ...] = ()
     decode_tokens: int = 32
     repeats: int = 3
 
@@ -126,6 +142,10 @@ class Grid:
         out += [
             Point("mixed", 0.0, prefill_tokens=n, batch=b, context=float(c))
             for b, c, n in self.mixed
+        ]
+        out += [
+            Point("arrival", 0.0, prefill_tokens=n, cached_tokens=k, batch=b, context=float(c))
+            for b, c, n, k in self.arrivals
         ]
         return out
 
@@ -148,6 +168,7 @@ GRIDS: dict[str, Grid] = {
         batches=(1, 4, 16, 32),
         contexts=(64, 1024, 2048),
         mixed=((4, 512, 512), (4, 1024, 1536), (16, 512, 1024), (16, 1024, 512)),
+        arrivals=((4, 512, 64, 0), (16, 1024, 64, 0), (8, 512, 64, 2048), (8, 512, 16, 4096)),
     ),
     "short": Grid(
         prefill=(128, 512, 1024, 2048, 3072),
@@ -155,6 +176,7 @@ GRIDS: dict[str, Grid] = {
         batches=(1, 8, 24),
         contexts=(128, 1536),
         mixed=((8, 512, 1024),),
+        arrivals=((8, 512, 64, 0), (8, 512, 64, 2048), (8, 512, 16, 4096)),
         decode_tokens=24,
         repeats=2,
     ),
@@ -165,6 +187,7 @@ GRIDS: dict[str, Grid] = {
         batches=(2, 12),
         contexts=(512, 1792),
         mixed=((6, 768, 768),),
+        arrivals=((6, 768, 128, 1024),),
         decode_tokens=24,
         repeats=2,
     ),
@@ -201,6 +224,20 @@ class _Stream:
             return None
         tokens = sum(self.tokens[i] for i in inside[1:])
         return (self.chunks[inside[-1]] - self.chunks[inside[0]]) / tokens, tokens
+
+    def excess(self, start: float, end: float) -> float:
+        """How much longer than this stream's usual gap between chunks its gaps that overlap
+        ``[start, end]`` took, together (seconds). The usual gap is the median of the
+        ``EXCESS_BASE_GAPS`` gaps before and after them (their neighbours, not the whole
+        stream's, whose steps grow as the contexts do)."""
+        gaps = [(a, b - a) for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
+        inside = [i for i, (a, g) in enumerate(gaps) if a < end and a + g > start]
+        if not inside:
+            return 0.0
+        lo, hi = inside[0], inside[-1] + 1
+        around = gaps[max(0, lo - EXCESS_BASE_GAPS) : lo] + gaps[hi : hi + EXCESS_BASE_GAPS]
+        base = statistics.median(g for _, g in around or gaps)
+        return sum(gaps[i][1] - base for i in inside)
 
 
 class _Client:
@@ -312,7 +349,13 @@ class _Client:
             )
         return statistics.median(per_token)
 
-    async def mixed(self, batch: int, context: int, prefill: int, tokens: int) -> float:
+    async def beside_batch(
+        self, batch: int, context: int, tokens: int, requests: Sequence[list[int]]
+    ) -> tuple[list[_Stream], list[_Stream]]:
+        """``batch`` decoders of ``context`` tokens and ``tokens`` each, started as for
+        ``decode``; when each has streamed ``MIXED_WARMUP`` tokens, ``requests`` are sent one
+        after another (one output token each, ``ARRIVAL_PAUSE_S`` after each answer). The
+        decoders' streams and the requests'."""
         prompts = await self.cached_prompts(batch, context)
         now = time.perf_counter()
         decoders = [_Stream(now) for _ in range(batch)]
@@ -320,16 +363,23 @@ class _Client:
             asyncio.ensure_future(self.stream(p, tokens, s))
             for p, s in zip(prompts, decoders, strict=True)
         ]
+        answers = []
         try:
             while any(len(s.chunks) < MIXED_WARMUP for s in decoders):
                 if any(t.done() for t in tasks):
                     break
                 await asyncio.sleep(0.0005)
-            p = await self.stream(self.prompt(prefill), 1)
+            for prompt in requests:
+                answers.append(await self.stream(prompt, 1))
+                await asyncio.sleep(ARRIVAL_PAUSE_S)
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
                 t.cancel()
+        return decoders, answers
+
+    async def mixed(self, batch: int, context: int, prefill: int, tokens: int) -> float:
+        decoders, (p,) = await self.beside_batch(batch, context, tokens, [self.prompt(prefill)])
         gaps = []
         for s in decoders:
             during = [
@@ -346,6 +396,27 @@ class _Client:
                 _tokens_needed(decoders, p.chunks[0] - p.sent),
             )
         return statistics.median(gaps)
+
+    async def arrival(self, batch: int, context: int, new: int, cached: int, tokens: int) -> float:
+        """``ARRIVALS`` requests of ``cached + new`` tokens (``cached`` sent before) beside a
+        decoding batch: for each, the median over the decoders of their gaps' excess over
+        their median gap, from its sending until ``ARRIVAL_TAIL_S`` after its answer; the
+        median."""
+        prompts = [self.prompt(cached + new) for _ in range(ARRIVALS)]
+        if cached:
+            await _all(self.stream(p[:cached], 1) for p in prompts)
+        decoders, answers = await self.beside_batch(batch, context, tokens, prompts)
+        last = answers[-1].chunks[-1] + ARRIVAL_TAIL_S
+        if any(s.chunks[-1] < last for s in decoders):
+            raise PointError(
+                f"{self.info.url}: arrival point batch {batch}: the decoders ended before the "
+                f"last arrival was answered ({tokens} tokens each)",
+                _tokens_needed(decoders, last - answers[0].sent),
+            )
+        return statistics.median(
+            statistics.median(s.excess(a.sent, a.chunks[-1] + ARRIVAL_TAIL_S) for s in decoders)
+            for a in answers
+        )
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
@@ -444,8 +515,8 @@ def feasible(
     point: Point, info: EngineInfo, grid: Grid, max_num_seqs: int, tokens: int | None = None
 ) -> str | None:
     """Why ``point`` cannot run on the engine (context, KV pool, batch) with ``tokens`` per
-    decoder (default: the grid's), or None."""
-    out = (tokens or grid.decode_tokens) + MIXED_WARMUP
+    decoder (default: a first try's, :func:`first_tokens`), or None."""
+    out = (tokens or first_tokens(point, grid)) + MIXED_WARMUP
     longest = max(point.prefill_tokens + point.cached_tokens, int(point.context)) + out
     if info.max_model_len and longest > info.max_model_len:
         return f"{longest} tokens exceed max_model_len {info.max_model_len}"
@@ -459,18 +530,26 @@ def feasible(
     return None
 
 
+def first_tokens(point: Point, grid: Grid) -> int:
+    """Tokens per decoder of a decode, mixed or arrival point's first try: the grid's, times
+    ``ARRIVALS`` for an arrival point (its decoders wait for each request in turn)."""
+    return grid.decode_tokens * (ARRIVALS if point.kind == "arrival" else 1)
+
+
 async def _decoding(c: _Client, point: Point, repeats: int, tokens: int) -> list[float]:
-    """``repeats`` tries of a decode or mixed point with ``tokens`` per decoder."""
+    """``repeats`` tries of a decode, mixed or arrival point with ``tokens`` per decoder."""
     batch, context = point.batch, int(point.context)
     if point.kind == "decode":
         return [await c.decode(batch, context, tokens) for _ in range(repeats)]
-    prefill, out = point.prefill_tokens, tokens + MIXED_WARMUP
-    return [await c.mixed(batch, context, prefill, out) for _ in range(repeats)]
+    new, cached, out = point.prefill_tokens, point.cached_tokens, tokens + MIXED_WARMUP
+    if point.kind == "arrival":
+        return [await c.arrival(batch, context, new, cached, out) for _ in range(repeats)]
+    return [await c.mixed(batch, context, new, out) for _ in range(repeats)]
 
 
 async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> Point:
-    """Measure ``point``; a decode or mixed point that its decoders did not stream long
-    enough for is tried again with more tokens each (see the module doc)."""
+    """Measure ``point``; a decode, mixed or arrival point that its decoders did not stream
+    long enough for is tried again with more tokens each (see the module doc)."""
     await c.reset()
     if point.kind == "prefill":
         warm = [
@@ -482,7 +561,7 @@ async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) 
         return replace(
             point, seconds=seconds, prefill_tokens=new, cached_tokens=cached, samples=len(warm)
         )
-    tokens = grid.decode_tokens
+    tokens = first_tokens(point, grid)
     for growth in range(GROWTHS + 1):
         try:
             tries = await _decoding(c, point, grid.repeats, tokens)
@@ -524,11 +603,12 @@ def label(point: Point) -> str:
         cached = f" after {point.cached_tokens} cached" if point.cached_tokens else ""
         return f"prefill of {point.prefill_tokens} tokens{cached}"
     at = f"batch {point.batch} at context {point.context:.0f}"
-    return (
-        f"decode {at}"
-        if point.kind == "decode"
-        else f"mixed {at} + prefill of {point.prefill_tokens}"
-    )
+    if point.kind == "decode":
+        return f"decode {at}"
+    if point.kind == "mixed":
+        return f"mixed {at} + prefill of {point.prefill_tokens}"
+    cached = f" after {point.cached_tokens} cached" if point.cached_tokens else ""
+    return f"arrival beside {at}: {point.prefill_tokens} tokens{cached}"
 
 
 def _interleave(lists: Sequence[Sequence[Point]]) -> list[tuple[int, int, Point]]:

@@ -2,19 +2,23 @@
 the JSON file that carries them (``kvroute calibrate`` writes it; ``kvroute simulate
 --engine-profile`` and ``kvroute engine --engine-profile`` load it).
 
-A measured point is one of three kinds (``docs/simulator.md`` "Calibration"):
+A measured point is one of four kinds (``docs/simulator.md`` "Calibration"):
 
 * ``prefill``: the time to first token of a lone request on an idle engine, ``prefill_tokens``
   new tokens after ``cached_tokens`` cached ones, in chunks of ``max_num_batched_tokens``
-  (admitting it costs every one of its prompt tokens, cached or not);
+  (admitting it costs every one of its prompt tokens, cached or not, and the request);
 * ``decode``: the gap between two tokens of ``batch`` sequences decoding together, each
   reading ``context`` tokens;
 * ``mixed``: that gap for the step that also prefills a request of ``prefill_tokens`` (the
-  interference of a prefill on running decodes).
+  interference of a prefill on running decodes);
+* ``arrival``: what one request of ``prefill_tokens`` new tokens after ``cached_tokens``
+  cached ones, with one output token, adds to the time of a running decode batch, all its
+  steps together (its prefill chunks and its admission: what a request costs the requests
+  already running, wherever its handling takes the engine's time).
 
-Each is a linear function of the seven cost terms (:data:`COST_TERMS`), so the fit is a
+Each is a linear function of the eight cost terms (:data:`COST_TERMS`), so the fit is a
 non-negative least squares on relative errors, solved exactly by trying every subset of the
-terms (2^7 small solves). O(points) per prediction; the fit O(128 · points); plain data,
+terms (2^8 small solves). O(points) per prediction; the fit O(256 · points); plain data,
 thread-safe.
 """
 
@@ -43,9 +47,10 @@ COST_TERMS = (
     "decode_s_per_seq",
     "decode_s_per_ctx_token",
     "admit_s_per_token",
+    "admit_s_per_request",
     "request_overhead_s",
 )
-KINDS = ("prefill", "decode", "mixed")
+KINDS = ("prefill", "decode", "mixed", "arrival")
 
 
 @dataclass(frozen=True)
@@ -77,16 +82,20 @@ def features(point: Point, budget: int) -> np.ndarray:
             f"point kind must be one of {', '.join(KINDS)}, got {point.kind!r}"
         )
     x = np.zeros(len(COST_TERMS))
-    if point.kind in ("prefill", "mixed"):
+    if point.kind != "decode":  # a request arrives
         for start, length in _chunks(point.prefill_tokens, point.cached_tokens, budget):
             x[0] += 1
             x[1] += length
             x[2] += length * (start + length / 2)
-        x[5] = point.cached_tokens + point.prefill_tokens  # admitted in its first step
-    if point.kind == "prefill":
+        # Admitted in its first step: every prompt token, cached or not, and the request.
+        x[5] = point.cached_tokens + point.prefill_tokens
         x[6] = 1.0
-    else:
-        x[0] = 1.0  # one step, whatever it holds
+    if point.kind == "prefill":
+        x[7] = 1.0
+    elif point.kind == "arrival":
+        x[0] = 0.0  # each of its steps also decodes the batch: no step of its own
+    else:  # decode, mixed: one step, whatever it holds
+        x[0] = 1.0
         x[3] = point.batch
         x[4] = point.batch * point.context
     return x

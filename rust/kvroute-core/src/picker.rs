@@ -240,6 +240,7 @@ pub fn predicted_ttft(c: &TtftCosts, load: &InstanceLoad, new_prefill: u64, inpu
         + c.prefill_s_per_token * work as f64
         + c.prefill_s_per_pair * n * (hit as f64 + n / 2.0)
         + c.admit_s_per_token * input_length as f64
+        + c.admit_s_per_request
         + c.request_overhead_s
 }
 

@@ -134,6 +134,8 @@ pub struct TtftCosts {
     pub decode_s_per_ctx_token: f64,
     /// Per prompt token of this request, cached or not (its admission).
     pub admit_s_per_token: f64,
+    /// Per request, whatever its length (its admission).
+    pub admit_s_per_request: f64,
     /// Outside the engine's steps (API server, HTTP).
     pub request_overhead_s: f64,
     /// Prefill tokens one step takes at most (`max_num_batched_tokens`).
@@ -149,6 +151,7 @@ impl TtftCosts {
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
             ("admit_s_per_token", self.admit_s_per_token),
+            ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
         ];
         for (name, value) in terms {

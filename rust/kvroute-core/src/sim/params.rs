@@ -59,6 +59,10 @@ pub struct EngineParams {
     /// Cost per prompt token, cached or not, of a request the step admits: hashing its
     /// blocks and looking its prefix up in the cache (s).
     pub admit_s_per_token: f64,
+    /// Cost per request the step admits, whatever its length: the engine time a new request
+    /// takes from the steps (its input and output handling where it shares the engine's
+    /// time; on a CPU engine, its API server on the worker's core) (s).
+    pub admit_s_per_request: f64,
     /// Latency a request spends outside the engine's steps (API server, HTTP) (s).
     pub request_overhead_s: f64,
 }
@@ -125,12 +129,13 @@ impl EngineParams {
             decode_s_per_seq: H20_DECODE_PER_SEQ_S * bw,
             decode_s_per_ctx_token: QWEN3_CODER_KV_BYTES / (tbps * 1e12 * KV_READ_EFFICIENCY),
             admit_s_per_token: 0.0,
+            admit_s_per_request: 0.0,
             request_overhead_s: 0.0,
         })
     }
 
     /// Names of the settable parameters, as [`set`](Self::set) takes them.
-    pub const NAMES: [&'static str; 17] = [
+    pub const NAMES: [&'static str; 18] = [
         "block_size",
         "kv_block_size",
         "max_num_batched_tokens",
@@ -147,6 +152,7 @@ impl EngineParams {
         "decode_s_per_seq",
         "decode_s_per_ctx_token",
         "admit_s_per_token",
+        "admit_s_per_request",
         "request_overhead_s",
     ];
 
@@ -180,6 +186,7 @@ impl EngineParams {
             "decode_s_per_seq" => self.decode_s_per_seq = value,
             "decode_s_per_ctx_token" => self.decode_s_per_ctx_token = value,
             "admit_s_per_token" => self.admit_s_per_token = value,
+            "admit_s_per_request" => self.admit_s_per_request = value,
             "request_overhead_s" => self.request_overhead_s = value,
             _ => {
                 return Err(Error::InvalidArgument(format!(
@@ -200,6 +207,7 @@ impl EngineParams {
             decode_s_per_seq: self.decode_s_per_seq,
             decode_s_per_ctx_token: self.decode_s_per_ctx_token,
             admit_s_per_token: self.admit_s_per_token,
+            admit_s_per_request: self.admit_s_per_request,
             request_overhead_s: self.request_overhead_s,
             max_num_batched_tokens: self.max_num_batched_tokens,
         }
@@ -224,6 +232,7 @@ impl EngineParams {
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
             ("admit_s_per_token", self.admit_s_per_token),
+            ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
         ]
     }
@@ -277,6 +286,7 @@ impl EngineParams {
             ("decode_s_per_seq", self.decode_s_per_seq),
             ("decode_s_per_ctx_token", self.decode_s_per_ctx_token),
             ("admit_s_per_token", self.admit_s_per_token),
+            ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
         ] {
             // A step then lasts at least step_overhead_s, which the simulator relies on.

@@ -139,8 +139,10 @@ impl Engine<'_> {
         let mut batch = std::mem::take(&mut self.spare);
         batch.clear();
         let mut preempted = false;
-        // Prompt tokens of the requests this step admits.
+        // Prompt tokens of the requests this step admits, and how many of them are admitted
+        // for the first time (not again after a preemption).
         let mut admitted = 0u64;
+        let mut new_requests = 0u64;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let h = self.running[i];
@@ -186,6 +188,7 @@ impl Engine<'_> {
             if r.first_sched.is_nan() {
                 r.first_sched = now;
                 r.cached_tokens = computed;
+                new_requests += 1;
             }
             self.counters.prefix_queries += r.target;
             self.counters.prefix_hits += computed;
@@ -217,7 +220,8 @@ impl Engine<'_> {
             + p.prefill_s_per_pair * pairs
             + p.decode_s_per_seq * dec as f64
             + p.decode_s_per_ctx_token * ctx as f64
-            + p.admit_s_per_token * admitted as f64;
+            + p.admit_s_per_token * admitted as f64
+            + p.admit_s_per_request * new_requests as f64;
         self.seg = Some(Segment {
             start: now,
             end: now + dt,

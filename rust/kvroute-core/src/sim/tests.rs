@@ -83,21 +83,22 @@ fn chunked_prefill_follows_the_token_budget_and_cost_model() {
 }
 
 #[test]
-fn admission_costs_every_prompt_token_once_cached_or_not() {
+fn admission_costs_every_prompt_token_and_the_request_once_cached_or_not() {
     let mut p = params(100_000);
     p.set("admit_s_per_token", 1e-6).unwrap();
+    p.set("admit_s_per_request", 0.002).unwrap();
     let mut e = Engine::new(p, false).unwrap();
     // 20,000 tokens: admitted in the first of three steps, charged there once.
     e.submit(0, keys(0, 40), 20_000, 1, 0.0).unwrap();
     let evs = drain(&mut e);
     let (_, t, _) = first_tokens(&evs)[0];
-    assert!((t - (3.0 * 0.01 + 20_000.0 * 1e-4 + 20_000.0 * 1e-6)).abs() < 1e-9, "{t}");
+    assert!((t - (3.0 * 0.01 + 20_000.0 * 1e-4 + 20_000.0 * 1e-6 + 0.002)).abs() < 1e-9, "{t}");
     // The same prompt again: 19,999 tokens cached, one recomputed, all 20,000 admitted.
     e.submit(1, keys(0, 40), 20_000, 1, 10.0).unwrap();
     let evs = drain(&mut e);
     let (_, t, cached) = first_tokens(&evs)[0];
     let computed = (20_000 - cached) as f64;
-    assert!((t - (10.0 + 0.01 + computed * 1e-4 + 20_000.0 * 1e-6)).abs() < 1e-9, "{t}");
+    assert!((t - (10.0 + 0.01 + computed * 1e-4 + 20_000.0 * 1e-6 + 0.002)).abs() < 1e-9, "{t}");
 }
 
 #[test]
@@ -175,6 +176,23 @@ fn preemption_recomputes_the_last_running_request() {
     assert!(e.stats().counters.preemptions >= 1);
     assert_eq!(f.iter().map(|x| x.2.generated).collect::<Vec<_>>(), vec![150, 150]);
     assert_eq!(e.stats().kv_used_blocks, 0);
+}
+
+#[test]
+fn a_request_readmitted_after_preemption_is_not_charged_again() {
+    let last_finish = |per_request: f64| {
+        let mut p = params(320);
+        p.set("admit_s_per_request", per_request).unwrap();
+        let mut e = Engine::new(p, false).unwrap();
+        e.submit(0, keys(0, 1), 100, 150, 0.0).unwrap();
+        e.submit(1, keys(100, 1), 100, 150, 0.0).unwrap();
+        let evs = drain(&mut e);
+        assert!(e.stats().counters.preemptions >= 1);
+        finishes(&evs).iter().map(|x| x.1).fold(0.0, f64::max)
+    };
+    // The same steps either way (nothing arrives later): the charges add up, one a request.
+    let extra = last_finish(0.5) - last_finish(0.0);
+    assert!((extra - 2.0 * 0.5).abs() < 1e-9, "{extra}");
 }
 
 #[test]
