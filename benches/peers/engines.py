@@ -31,6 +31,10 @@ class Counters:
     requests: float
     running: float
     preemptions: float
+    #: The engine's own time to first token (from its API server receiving a request), summed
+    #: over its requests, and their count.
+    ttft_sum: float
+    ttft_count: float
 
 
 def counters(url: str) -> Counters:
@@ -44,6 +48,8 @@ def counters(url: str) -> Counters:
         "vllm:request_success_total": "requests",
         "vllm:num_requests_running": "running",
         "vllm:num_preemptions_total": "preemptions",
+        "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+        "vllm:time_to_first_token_seconds_count": "ttft_count",
     }
     got = dict.fromkeys(names.values(), 0.0)
     for family in text_string_to_metric_families(text):

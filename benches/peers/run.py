@@ -80,6 +80,10 @@ class ArmRun:
     per_engine_hit_rate: list[float]
     preemptions: int
     cpu_ms_per_req: float
+    #: The client's mean TTFT less the engines' own (their metrics: from the API server
+    #: receiving a request): the time the router, the relay and HTTP add under this load;
+    #: NaN with outside traffic (its requests are in the engines' figure).
+    outside_engine_ms: float = float("nan")
     error_samples: list[str] = field(default_factory=list)
     #: Requests the outside traffic completed on the first engine meanwhile.
     outside_requests: int = 0
@@ -170,6 +174,11 @@ def measure_arm(
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
     hit_rate = hits / queries if queries else 0.0
+    engine_ttfts = sum(a.ttft_count - b.ttft_count for a, b in pairs)
+    engine_ttft_ms = sum(a.ttft_sum - b.ttft_sum for a, b in pairs) * 1e3 / max(engine_ttfts, 1)
+    outside_engine = (
+        statistics.fmean(ttfts) - engine_ttft_ms if ttfts and not other.done else float("nan")
+    )
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -188,6 +197,7 @@ def measure_arm(
         ],
         "preemptions": int(sum(a.preemptions - b.preemptions for a, b in pairs)),
         "cpu_ms_per_req": (cpu1 - cpu0) * 1e3 / max(len(results), 1),
+        "outside_engine_ms": outside_engine,
         "error_samples": [r.error or "" for r in results if not r.ok][:3],
         "outside_requests": other.done,
     }
@@ -230,15 +240,16 @@ def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
             )
         out.append(
             "| arm | rounds | hit % | of ceiling | TTFT p50 ms | p90 | p99 | mean E2E ms "
-            "| req/s | per engine (hit %) | preemptions | router CPU ms/req | errors |"
+            "| req/s | per engine (hit %) | preemptions | router CPU ms/req "
+            "| TTFT outside engines ms | errors |"
         )
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
         arms = list(dict.fromkeys(r.arm for r in runs if (r.workload, r.load) == (wl, load)))
         for arm in arms:
             rs = [r for r in runs if (r.workload, r.load, r.arm) == (wl, load, arm)]
             if all(r.errors == r.requests for r in rs):
                 why = next((e for r in rs for e in r.error_samples), "")[:160].replace("|", "/")
-                out.append(f"| {arm} | {len(rs)} | every request failed: {why} |" + " |" * 10)
+                out.append(f"| {arm} | {len(rs)} | every request failed: {why} |" + " |" * 11)
                 continue
             counts = zip(*(r.per_engine for r in rs), strict=True)
             rates = zip(*(r.per_engine_hit_rate for r in rs), strict=True)
@@ -258,6 +269,7 @@ def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
                 f"| {engines_} "
                 f"| {_median_range([float(r.preemptions) for r in rs], '{:.0f}')} "
                 f"| {_median_range([r.cpu_ms_per_req for r in rs], '{:.2f}')} "
+                f"| {_median_range([r.outside_engine_ms for r in rs], '{:.1f}')} "
                 f"| {sum(r.errors for r in rs)} |"
             )
     return "\n".join(out) + "\n"
