@@ -22,17 +22,17 @@ cannot move). What a point measures:
 * ``arrival``: ``batch`` decoding requests, started as for ``mixed``; then ``ARRIVALS``
   requests of ``new`` tokens after ``cached`` ones (their prefixes sent before), one after
   another with one output token each; for each, what the decoders' gaps from its sending to
-  just after its answer took beyond their median gap (the median over the decoders); the
-  median. It sees what a request costs the running ones wherever its handling takes the
+  just after its answer took beyond their neighbouring gaps (the median over the decoders);
+  the median. It sees what a request costs the running ones wherever its handling takes the
   engine's time, which a lone prefill cannot tell from the request's own latency.
 
 A decode, mixed or arrival point whose decoders did not stream long enough together (a fast
 engine, or requests that reached it far apart) is tried again with as many more tokens per
-decoder as the try showed it needs (:data:`GROWTHS` times at most, while the context and the KV pool
-allow); a point that still fails, or fails otherwise :data:`POINT_TRIES` times, is skipped
-and listed, and an engine that fails :data:`MAX_FAILED_IN_ROW` points in a row is given up.
-The grid's points are spread over the engines (each engine runs one point at a time; the
-fit assumes the engines are alike). A held-out grid is measured in the same pass, its points
+decoder as the try showed it needs (:data:`GROWTHS` times at most, while the context and the
+KV pool allow); a point that still fails, or fails otherwise :data:`POINT_TRIES` times, is
+skipped and listed, and an engine that fails :data:`MAX_FAILED_IN_ROW` points in a row is
+given up. The grid's points are spread over the engines (each engine runs one point at a
+time; the fit assumes the engines are alike). A held-out grid is measured in the same pass, its points
 interleaved with the fitted grid's, so that the machine's drift during a run reaches both.
 The profile lists warnings where its errors say it cannot be trusted (:func:`warnings_of`).
 O(grid tokens) of prompts; one asyncio loop.
@@ -399,9 +399,9 @@ class _Client:
 
     async def arrival(self, batch: int, context: int, new: int, cached: int, tokens: int) -> float:
         """``ARRIVALS`` requests of ``cached + new`` tokens (``cached`` sent before) beside a
-        decoding batch: for each, the median over the decoders of their gaps' excess over
-        their median gap, from its sending until ``ARRIVAL_TAIL_S`` after its answer; the
-        median."""
+        decoding batch: for each, the median over the decoders of their gaps' excess
+        (:meth:`_Stream.excess`) from its sending until ``ARRIVAL_TAIL_S`` after its answer;
+        the median."""
         prompts = [self.prompt(cached + new) for _ in range(ARRIVALS)]
         if cached:
             await _all(self.stream(p[:cached], 1) for p in prompts)
