@@ -215,9 +215,9 @@ def simulated(
     """The simulator's answer on a calibrated profile (``engine``): the sustainable rates,
     by the same search on the same seeds (at least 12 rounds: probes cost milliseconds), and
     the slow requests by cause at the same factors of its own rates. Each policy routes with
-    the parameters the proxy gives it (``POLICY_OPTIONS``, then ``policy_options``)."""
+    the parameters the proxy gives it (``ProxyConfig.policy_options``)."""
     from kvroute import sim
-    from kvroute.proxy.config import POLICY_OPTIONS
+    from kvroute.proxy.config import ProxyConfig
 
     trace = scaled(trace, cfg)
     admission = {
@@ -229,7 +229,8 @@ def simulated(
         admission = {}  # no admission
 
     def params(policy: str) -> dict[str, list[float]]:
-        given = {**POLICY_OPTIONS.get(policy, {}), **cfg.policy_options.get(policy, {})}
+        proxy = ProxyConfig(policy=policy, router_options=dict(cfg.policy_options.get(policy, {})))
+        given = proxy.policy_options()
         own = {k: float(v) for k, v in given.items() if policy in sim.PARAM_POLICIES.get(k, ())}
         return {k: [v] for k, v in {**own, **admission}.items()}
 

@@ -32,8 +32,9 @@ decoder as the try showed it needs (:data:`GROWTHS` times at most, while the con
 KV pool allow); a point that still fails, or fails otherwise :data:`POINT_TRIES` times, is
 skipped and listed, and an engine that fails :data:`MAX_FAILED_IN_ROW` points in a row is
 given up. The grid's points are spread over the engines (each engine runs one point at a
-time; the fit assumes the engines are alike). A held-out grid is measured in the same pass, its points
-interleaved with the fitted grid's, so that the machine's drift during a run reaches both.
+time; the fit assumes the engines are alike). A held-out grid is measured in the same pass,
+its points interleaved with the fitted grid's, so that the machine's drift during a run
+reaches both.
 The profile lists warnings where its errors say it cannot be trusted (:func:`warnings_of`).
 O(grid tokens) of prompts; one asyncio loop.
 """
@@ -599,15 +600,14 @@ async def _measure_point(c: _Client, point: Point, grid: Grid, max_num_seqs: int
 
 def label(point: Point) -> str:
     """A grid point in words, as the skipped list names it."""
+    cached = f" after {point.cached_tokens} cached" if point.cached_tokens else ""
     if point.kind == "prefill":
-        cached = f" after {point.cached_tokens} cached" if point.cached_tokens else ""
         return f"prefill of {point.prefill_tokens} tokens{cached}"
     at = f"batch {point.batch} at context {point.context:.0f}"
     if point.kind == "decode":
         return f"decode {at}"
     if point.kind == "mixed":
         return f"mixed {at} + prefill of {point.prefill_tokens}"
-    cached = f" after {point.cached_tokens} cached" if point.cached_tokens else ""
     return f"arrival beside {at}: {point.prefill_tokens} tokens{cached}"
 
 
