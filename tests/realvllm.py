@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -506,16 +507,27 @@ def start_engines(
     return out
 
 
+#: Where :func:`free_ports` draws from: below the kernel's ephemeral range (32768 and up on
+#: Linux), from which vLLM's processes bind their own sockets (port 0) while another engine
+#: starts. A port drawn from that range, free when drawn, was taken that way before the engine
+#: given it bound it ("Address already in use").
+PORT_RANGE = (20000, 32000)
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct TCP ports free on 127.0.0.1 now, drawn at random from ``PORT_RANGE``."""
+    out: list[int] = []
+    while len(out) < n:
+        port = random.randrange(*PORT_RANGE)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
