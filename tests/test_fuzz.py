@@ -109,9 +109,11 @@ SMALL = annotate_ttp(_trace().slice(0, 60))
 
 
 def _scratch() -> Path:
+    """A fresh folder in the test's own (the autouse fixture below moves there), which pytest
+    removes with it."""
     import tempfile
 
-    return Path(tempfile.mkdtemp(prefix="kvroute-fuzz-"))
+    return Path(tempfile.mkdtemp(prefix="scratch-", dir=Path.cwd()))
 
 
 def _run_dir() -> Path:

@@ -159,6 +159,11 @@ ARMS: dict[str, Arm] = {
             ),
         ),
         Arm("round-robin", "kvroute", _kvroute("--policy", "round_robin"), sessions=False),
+        # vllm-router placing as round-robin does: with the same placement, what is left between
+        # the two is each router's own cost (its relay, its CPU beside the engines).
+        Arm(
+            "vllm-router-rr", "vllm-router", _vllm_router("--policy", "round_robin"), sessions=False
+        ),
         Arm("kvroute-shared", "kvroute", _kvroute("--router-option", "affinity=shared")),
         # The default, its policies reading only the router's own counts.
         Arm("kvroute-own-load", "kvroute", _kvroute("--load-source", "router")),

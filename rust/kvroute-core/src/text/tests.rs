@@ -2,17 +2,41 @@
 //! renders are those of Jinja2 under transformers' settings (checked against
 //! transformers by the Python suite, `tests/test_text_model.py`).
 
-use std::path::PathBuf;
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
 use super::{pyjson, TextModel};
 
+/// A folder under the system's temporary one, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("kvroute-text-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A model folder with a word-level tokenizer (`[UNK]` 0, `<s>` 1, then `words`) that adds
 /// `<s>` in front of a single sequence, and `config` as `tokenizer_config.json`.
-fn folder(name: &str, config: &Value, jinja: Option<&str>) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvroute-text-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn folder(name: &str, config: &Value, jinja: Option<&str>) -> Scratch {
+    let dir = Scratch::new(name);
     let words = ["hello", "world", "<|im_start|>", "<|im_end|>", "user", "assistant", "hi"];
     let mut vocab = Map::new();
     vocab.insert("[UNK]".into(), json!(0));
@@ -47,12 +71,8 @@ fn folder(name: &str, config: &Value, jinja: Option<&str>) -> PathBuf {
     });
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
-    let path = dir.join("chat_template.jinja");
-    match jinja {
-        Some(text) => std::fs::write(&path, text).unwrap(),
-        None => {
-            let _ = std::fs::remove_file(&path);
-        }
+    if let Some(text) = jinja {
+        std::fs::write(dir.join("chat_template.jinja"), text).unwrap();
     }
     dir
 }
@@ -137,8 +157,7 @@ fn templates_render_as_jinja2_does_under_transformers() {
 
 #[test]
 fn a_folder_without_a_tokenizer_is_an_error() {
-    let dir = std::env::temp_dir().join(format!("kvroute-text-{}-empty", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new("empty");
     let err = TextModel::load(&dir).unwrap_err();
     assert!(err.0.contains("tokenizer.json") && err.0.contains("cannot load"), "{err}");
 }
