@@ -25,11 +25,13 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -271,6 +273,9 @@ class Engine:
     log_path: Path
     #: The KV-events replay socket's port (a ROUTER: ``vllm/distributed/kv_events.py``).
     replay_port: int | None = None
+    #: Where the engine's processes put their IPC sockets (vLLM leaves them behind when it
+    #: is stopped): removed with the engine.
+    sockets_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -290,7 +295,12 @@ class Engine:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the engine's process group (the API server and its engine-core child),
-        then SIGKILL to whatever is left after ``grace_s``."""
+        then SIGKILL to whatever is left after ``grace_s``; then its sockets folder goes."""
+        self._end_group(grace_s)
+        if self.sockets_dir is not None:
+            shutil.rmtree(self.sockets_dir, ignore_errors=True)
+
+    def _end_group(self, grace_s: float) -> None:
         pgid = self.process.pid
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):
@@ -436,17 +446,20 @@ def start_engine(
     ncores = os.cpu_count() or 1
     replay_port = replay_port or free_ports(1)[0]
     sized = "--kv-cache-memory-bytes" in (extra_args or [])
+    sockets_dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-ipc-"))
+    env = engine_env(core % ncores, None if sized else 1)
+    env["VLLM_RPC_BASE_PATH"] = str(sockets_dir)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [*engine_command(model, port, events_port, replay_port), *(extra_args or [])],
-            env=engine_env(core % ncores, None if sized else 1),
+            env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=lambda: _child_setup(core % ncores),
         )
-    return Engine(port, events_port, core, process, log_path, replay_port)
+    return Engine(port, events_port, core, process, log_path, replay_port, sockets_dir)
 
 
 def _child_setup(core: int) -> None:
