@@ -124,6 +124,7 @@ class ReferenceRouter:
         balance_abs: int = 32,
         balance_rel: float = 1.1,
         overlap_weight: float = 1.0,
+        queued_weight: float = 0.0,
         temperature: float = 0.0,
         load_source: str = "router",
         engine_profile: dict[str, float] | None = None,
@@ -151,6 +152,7 @@ class ReferenceRouter:
             ("cache_threshold", cache_threshold),
             ("balance_rel", balance_rel),
             ("overlap_weight", overlap_weight),
+            ("queued_weight", queued_weight),
             ("temperature", temperature),
             ("ttft_slo_s", ttft_slo_s),
         ]:
@@ -166,6 +168,7 @@ class ReferenceRouter:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.overlap_weight = overlap_weight
+        self.queued_weight = queued_weight
         self.temperature = temperature
         # `ttft` predicts with the h20 preset's step costs under the profile's parameters.
         self.ttft_costs = engine_params("h20-qwen3-coder-30b-a3b", **(engine_profile or {}))
@@ -628,19 +631,26 @@ class ReferenceRouter:
         return min(avail, key=lambda i: len(self.instances[i].cache)), "smallest_cache"
 
     def _dynamo(self, avail: list[int], keys: list[int], n: int) -> tuple[int, str]:
-        """Dynamo KV router: cost = overlap_weight * prefill_blocks + decode_blocks.
+        """Dynamo KV router: cost = overlap_weight * prefill_blocks + queued_weight *
+        queued_blocks + decode_blocks.
 
-        prefill_blocks = new_prefill / block_size, decode_blocks = (ongoing_tokens +
-        input_length) / block_size. Temperature 0: the minimum, ties by a seeded draw among
-        them. Above 0: a seeded softmax draw over ``-(cost / (max - min)) / temperature``
-        (a uniform draw among the minima when every cost is equal).
+        prefill_blocks = new_prefill / block_size, queued_blocks = pending_prefill_tokens /
+        block_size, decode_blocks = (ongoing_tokens + input_length) / block_size. Temperature
+        0: the minimum, ties by a seeded draw among them. Above 0: a seeded softmax draw over
+        ``-(cost / (max - min)) / temperature`` (a uniform draw among the minima when every
+        cost is equal).
         """
         bs = float(self.block_size)
         costs = []
         for i in avail:
             prefill_blocks = float(self.new_prefill(i, keys, n)) / bs
+            queued_blocks = float(self.instances[i].pending_prefill_tokens) / bs
             decode_blocks = float(self.instances[i].ongoing_tokens + n) / bs
-            costs.append(self.overlap_weight * prefill_blocks + decode_blocks)
+            costs.append(
+                self.overlap_weight * prefill_blocks
+                + self.queued_weight * queued_blocks
+                + decode_blocks
+            )
         lo, hi = min(costs), max(costs)
         if self.temperature == 0.0 or hi == lo:
             tied = [i for i, c in zip(avail, costs, strict=True) if c == lo]

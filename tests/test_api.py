@@ -109,6 +109,7 @@ def test_unknown_policy() -> None:
         ({"balance_rel": -1.0}, "balance_rel"),
         ({"balance_abs": -1}, "balance_abs"),
         ({"overlap_weight": -2.0}, "overlap_weight"),
+        ({"queued_weight": float("nan")}, "queued_weight"),
         ({"seed": -1}, "seed"),
     ],
 )
@@ -619,6 +620,21 @@ def test_leastwork_by_hand() -> None:
         r.finish(i)
     # Both (4, 4, 0) again: tie -> tied[rr=1 % 2] = 1.
     assert info(r, 5, [77], 4) == (1, 0, 4, "tie_break")
+
+
+@pytest.mark.parametrize("queued_weight, to_the_queue", [(0.0, True), (2.0, False)])
+def test_dynamo_cost_weighs_the_prefill_queued_on_an_instance(
+    queued_weight: float, to_the_queue: bool
+) -> None:
+    # One instance decodes 4,000 tokens (its first token back), the other has 2,000 queued
+    # for prefill. Without the queue term a new request goes where fewer tokens are in flight
+    # (2,000 against 4,000); with the queue at weight 2 that instance costs 2,000 + 2 * 2,000.
+    r = Router(2, "dynamo_cost", block_size=100, queued_weight=queued_weight)
+    decoding = r.route(1, [], 4000)
+    assert r.first_token(1)
+    queued = r.route(2, [], 2000)
+    assert queued != decoding
+    assert r.route(3, [], 100) == (queued if to_the_queue else decoding)
 
 
 def test_round_robin_and_seeded_policies_are_reproducible() -> None:

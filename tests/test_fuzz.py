@@ -145,6 +145,7 @@ CASES: dict[str, Case] = {
             "balance_abs": 32,
             "balance_rel": 1.1,
             "overlap_weight": 1.0,
+            "queued_weight": 0.0,
             "temperature": 0.0,
             "cache_view": "events",
             "pending_ttl_s": 1.0,

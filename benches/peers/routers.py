@@ -165,6 +165,8 @@ ARMS: dict[str, Arm] = {
             "vllm-router-rr", "vllm-router", _vllm_router("--policy", "round_robin"), sessions=False
         ),
         Arm("kvroute-shared", "kvroute", _kvroute("--router-option", "affinity=shared")),
+        # The default with the prefill queued on each engine in Dynamo's cost, at face value.
+        Arm("kvroute-queued1", "kvroute", _kvroute("--router-option", "queued_weight=1")),
         # The default, its policies reading only the router's own counts.
         Arm("kvroute-own-load", "kvroute", _kvroute("--load-source", "router")),
         # Admission: at most N requests in flight per engine, the rest wait at the router.

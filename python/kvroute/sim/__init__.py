@@ -52,6 +52,7 @@ PARAM_POLICIES = {
     "balance_abs": ("sglang_cache_aware",),
     "balance_rel": ("sglang_cache_aware",),
     "overlap_weight": ("dynamo_cost", "unified_dynamo"),
+    "queued_weight": ("dynamo_cost", "unified_dynamo"),
     "temperature": ("dynamo_cost", "unified_dynamo"),
     "ttft_slo_s": ("ttft",),
     # Admission at the router (``docs/simulator.md``): every policy reads them.

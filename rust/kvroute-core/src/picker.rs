@@ -314,8 +314,9 @@ fn dynamo_cost(p: &PolicyParams, input: &PickInput<'_>, state: &mut PickState) -
         .available()
         .map(|i| {
             let prefill_blocks = input.new_prefill(i) as f64 / bs;
+            let queued_blocks = input.loads[i].pending_prefill_tokens as f64 / bs;
             let decode_blocks = input.loads[i].ongoing_tokens.saturating_add(input.input_length) as f64 / bs;
-            (i, p.overlap_weight * prefill_blocks + decode_blocks)
+            (i, p.overlap_weight * prefill_blocks + p.queued_weight * queued_blocks + decode_blocks)
         })
         .collect();
     let min = costs.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);

@@ -32,7 +32,8 @@ pub enum Policy {
     PowerOfTwo,
     /// SGLang router's cache-aware policy.
     SglangCacheAware,
-    /// Dynamo KV router's cost `overlap_weight * prefill_blocks + decode_blocks`.
+    /// Dynamo KV router's cost `overlap_weight * prefill_blocks + decode_blocks`, plus
+    /// `queued_weight` times the blocks the instance has queued for prefill.
     DynamoCost,
     /// Least predicted time to first token at the profile's step costs, LPWL's tie-breaks;
     /// with an SLO, the most cache reuse among the instances predicted to meet it.
@@ -110,6 +111,10 @@ pub struct PolicyParams {
     pub balance_rel: f64,
     /// `dynamo_cost`, `unified_dynamo`: weight of the prefill blocks in the cost.
     pub overlap_weight: f64,
+    /// `dynamo_cost`, `unified_dynamo`: weight of the prefill queued on the instance (blocks of
+    /// the requests not yet past their first token); 0 leaves it out, `overlap_weight` is
+    /// Dynamo's own cost.
+    pub queued_weight: f64,
     /// `dynamo_cost`, `unified_dynamo`: 0 takes the argmin; above 0, softmax sampling over the negated costs.
     pub temperature: f64,
     /// `ttft`: the engines' step costs; required by `ttft`, read by no other policy.
@@ -179,6 +184,7 @@ impl Default for PolicyParams {
             balance_abs: 32,
             balance_rel: 1.1,
             overlap_weight: 1.0,
+            queued_weight: 0.0,
             temperature: 0.0,
             ttft_costs: None,
             ttft_slo_s: 0.0,
@@ -195,6 +201,7 @@ impl PolicyParams {
             ("cache_threshold", self.cache_threshold, 0.0),
             ("balance_rel", self.balance_rel, 0.0),
             ("overlap_weight", self.overlap_weight, 0.0),
+            ("queued_weight", self.queued_weight, 0.0),
             ("temperature", self.temperature, 0.0),
             ("ttft_slo_s", self.ttft_slo_s, 0.0),
         ];

@@ -147,6 +147,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                 "cache_threshold" => &mut params.cache_threshold,
                 "balance_rel" => &mut params.balance_rel,
                 "overlap_weight" => &mut params.overlap_weight,
+                "queued_weight" => &mut params.queued_weight,
                 "temperature" => &mut params.temperature,
                 "ttft_slo_s" => &mut params.ttft_slo_s,
                 "balance_abs" => {
@@ -162,7 +163,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         py,
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
-                         cache_threshold, balance_abs, balance_rel, overlap_weight, temperature, ttft_slo_s, \
+                         cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, \
                          max_in_flight, queue_patience_s"
                         ),
                     ))
