@@ -273,9 +273,9 @@ class Engine:
     log_path: Path
     #: The KV-events replay socket's port (a ROUTER: ``vllm/distributed/kv_events.py``).
     replay_port: int | None = None
-    #: Where the engine's processes put their IPC sockets (vLLM leaves them behind when it
-    #: is stopped): removed with the engine.
-    sockets_dir: Path | None = None
+    #: The engine's temporary folder (its IPC sockets and distributed-init files, which vLLM
+    #: leaves behind when it is stopped): removed with the engine.
+    temp_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -295,10 +295,10 @@ class Engine:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the engine's process group (the API server and its engine-core child),
-        then SIGKILL to whatever is left after ``grace_s``; then its sockets folder goes."""
+        then SIGKILL to whatever is left after ``grace_s``; then its temporary folder goes."""
         self._end_group(grace_s)
-        if self.sockets_dir is not None:
-            shutil.rmtree(self.sockets_dir, ignore_errors=True)
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _end_group(self, grace_s: float) -> None:
         pgid = self.process.pid
@@ -446,9 +446,9 @@ def start_engine(
     ncores = os.cpu_count() or 1
     replay_port = replay_port or free_ports(1)[0]
     sized = "--kv-cache-memory-bytes" in (extra_args or [])
-    sockets_dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-ipc-"))
+    temp_dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
     env = engine_env(core % ncores, None if sized else 1)
-    env["VLLM_RPC_BASE_PATH"] = str(sockets_dir)
+    env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp_dir)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [*engine_command(model, port, events_port, replay_port), *(extra_args or [])],
@@ -459,7 +459,7 @@ def start_engine(
             start_new_session=True,
             preexec_fn=lambda: _child_setup(core % ncores),
         )
-    return Engine(port, events_port, core, process, log_path, replay_port, sockets_dir)
+    return Engine(port, events_port, core, process, log_path, replay_port, temp_dir)
 
 
 def _child_setup(core: int) -> None:
