@@ -562,9 +562,10 @@ class ReferenceRouter:
         """Seconds until this request's first token on instance i (SEMANTICS §3 ``ttft``):
         ``steps * per_step + prefill_s_per_token * work + prefill_s_per_pair * new * (hit +
         new / 2) + admit_s_per_token * input_length + admit_s_per_request +
-        request_overhead_s``, where work is the instance's pending prefill plus this request's,
-        steps = ceil(work / batch) (>= 1), and per_step the step overhead plus the decode terms
-        of its running requests."""
+        request_overhead_s`` (+ ``busy_handling_s`` on an instance with a request in flight),
+        where work is the instance's pending prefill plus this request's, steps = ceil(work /
+        batch) (>= 1), and per_step the step overhead plus the decode terms of its running
+        requests."""
         c, inst = self.ttft_costs, self.instances[i]
         work = min(inst.pending_prefill_tokens + new_prefill, U64_MAX)
         steps = max(1, -(-work // int(c["max_num_batched_tokens"])))
@@ -581,6 +582,7 @@ class ReferenceRouter:
             + c["admit_s_per_token"] * n
             + c["admit_s_per_request"]
             + c["request_overhead_s"]
+            + (c["busy_handling_s"] if inst.num_requests > 0 else 0.0)
         )
 
     def _ttft(self, avail: list[int], keys: list[int], n: int) -> tuple[int, str]:

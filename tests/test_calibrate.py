@@ -6,6 +6,7 @@ are tried again, then skipped and listed; profiles load with clear errors."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -26,12 +27,13 @@ from kvroute.sim.calibrate import (
     warnings_of,
 )
 from kvroute.sim.profile import (
-    COST_TERMS,
     FORMAT,
+    STEP_TERMS,
     Point,
     fit,
     load_profile,
     make_profile,
+    nearest,
     predict,
 )
 
@@ -45,16 +47,46 @@ TRUE = {
     "admit_s_per_token": 3e-6,
     "admit_s_per_request": 0.003,
     "request_overhead_s": 0.004,
+    "busy_handling_s": 0.003,
 }
+
+
+def joins(step: float, requests: int) -> tuple[tuple[float, float], ...]:
+    """What requests arriving at ``(k + 0.5) / requests`` of a ``step``-long decode step
+    read (:class:`Point`'s ``joins``) on an engine with the :data:`TRUE` terms."""
+    out = []
+    for k in range(requests):
+        into = (k + 0.5) / requests * step  # the step in progress started this long before
+        join = math.ceil((TRUE["busy_handling_s"] + into) / step) * step - into
+        late = TRUE["request_overhead_s"]
+        out.append((join + late, join - step + late))
+    return tuple(out)
 
 
 def test_fit_recovers_exact_points() -> None:
     grid = GRIDS["standard"].points()
     points = [replace(p, context=p.context + 16) for p in grid]
+    step = 0.005 + 8 * 6e-4 + 8 * 528 * 2e-7  # a decode step of the batch of 8
+    points += [
+        replace(p, kind="busy", joins=joins(step, 12)) for p in points if p.kind == "arrival"
+    ]
     exact = [replace(p, seconds=predict(TRUE, p, 2048)) for p in points]
     got = fit(exact, 2048)
-    for term in COST_TERMS:
+    for term in STEP_TERMS:
         assert got[term] == pytest.approx(TRUE[term], rel=1e-6), term
+    # The requests bound it to a twelfth of a step around the true value.
+    assert got["busy_handling_s"] == pytest.approx(TRUE["busy_handling_s"], abs=step / 24)
+
+
+def test_busy_handling_is_the_value_nearest_the_requests_bounds() -> None:
+    assert nearest([(0.0, 2.0), (1.0, 3.0)]) == 1.5  # the middle of the common stretch
+    # 1.5 in all from anywhere in 2-2.5: the outlier moves it no further.
+    assert nearest([(0.0, 1.0), (2.0, 3.0), (2.5, 4.0)]) == 2.25
+    # Read 4 ms late (request_overhead_s): the joins bound it to 6-16 ms and 1-11 ms.
+    steps = [replace(p, seconds=predict(TRUE, p, 2048)) for p in GRIDS["short"].points()]
+    busy = Point("busy", 0.05, batch=8, joins=((0.02, 0.01), (0.015, 0.005)))
+    assert fit([*steps, busy], 2048)["busy_handling_s"] == pytest.approx(0.0085)
+    assert fit(steps, 2048)["busy_handling_s"] == 0.0  # no busy point: none
 
 
 def test_fit_keeps_terms_non_negative() -> None:
@@ -63,6 +95,12 @@ def test_fit_keeps_terms_non_negative() -> None:
     noisy = [replace(p, seconds=0.01 + 1e-6 * p.prefill_tokens) for p in points]
     got = fit(noisy, 2048)
     assert all(v >= 0 for v in got.values()), got
+
+
+def step_points(errors: dict[str, Any]) -> int:
+    """The points of a profile's error summary but the busy ones (each arrival point also
+    gives a busy point)."""
+    return int(errors["all"]["points"] - errors.get("busy", {"points": 0})["points"])
 
 
 def _emulator(*extra: str) -> Launched:
@@ -96,10 +134,17 @@ def test_emulator_calibration_recovers_its_terms(tmp_path: Path) -> None:
     assert "step_overhead_s" in done.output and "relative error" in done.output
     doc = json.loads(path.read_text())
     got = doc["params"]
-    off = {t: got[t] / TRUE[t] - 1 for t in COST_TERMS}
+    off = {t: got[t] / TRUE[t] - 1 for t in STEP_TERMS}
     assert all(abs(e) <= 0.01 for e in off.values()), (off, doc["fit"])
+    # Read off 36 requests spread over the step in progress: within a tenth of a decode step
+    # (about 11 ms here).
+    assert got["busy_handling_s"] == pytest.approx(TRUE["busy_handling_s"], abs=0.001)
     assert got["kv_capacity_tokens"] == 262144 and got["kv_block_size"] == 32
-    assert doc["fit"]["error"]["all"]["max"] < 0.01 and "held_out" not in doc
+    # A busy point's mean is predicted with half a step's wait, off by how its six requests
+    # fell over the step; the step points are exact.
+    errors = doc["fit"]["error"]
+    assert all(e["max"] < 0.01 for k, e in errors.items() if k not in ("all", "busy")), errors
+    assert errors["busy"]["p50"] < 0.15 and "held_out" not in doc
     assert doc["engine"]["skipped"] == [] and doc["warnings"] == []
     assert doc["engine"]["clock"] == "engine"
     params = load_profile(path)
@@ -132,7 +177,7 @@ def test_a_fast_engine_is_measured(tmp_path: Path) -> None:
     assert done.exit_code == 0, done.output
     doc = json.loads(path.read_text())
     points = len(GRIDS["standard"].points()) + len(GRIDS["held-out"].points())
-    measured = doc["fit"]["error"]["all"]["points"] + doc["held_out"]["error"]["all"]["points"]
+    measured = step_points(doc["fit"]["error"]) + step_points(doc["held_out"]["error"])
     assert measured + len(doc["engine"]["skipped"]) == points, doc["engine"]["skipped"]
     assert doc["fit"]["error"]["decode"]["points"] >= 1, doc["engine"]["skipped"]
     assert all(p["context"] > 0 for p in doc["fit"]["points"] if p["kind"] == "decode")
@@ -176,7 +221,7 @@ def test_failed_points_are_tried_again_and_a_failing_engine_given_up(
     real = cal._measure_one
     calls: dict[str, int] = {}
 
-    async def flaky(c: Any, point: Point, grid: Grid, max_num_seqs: int) -> Point:
+    async def flaky(c: Any, point: Point, grid: Grid, max_num_seqs: int) -> list[Point]:
         calls[c.info.url] = calls.get(c.info.url, 0) + 1
         if c.info.url == bad.url or (c.info.url == good.url and calls[good.url] == 1):
             raise CalibrationError(f"{c.info.url} answered 500: injected")
@@ -209,7 +254,7 @@ def test_failed_points_are_tried_again_and_a_failing_engine_given_up(
     assert bad_tries == cal.MAX_FAILED_IN_ROW * cal.POINT_TRIES
     # The good engine's first try failed and its second was measured.
     points = len(grid.points())
-    assert doc["fit"]["error"]["all"]["points"] == points - cal.MAX_FAILED_IN_ROW
+    assert step_points(doc["fit"]["error"]) == points - cal.MAX_FAILED_IN_ROW
 
 
 def test_warnings_name_the_kinds_a_profile_cannot_be_trusted_for() -> None:
@@ -268,7 +313,7 @@ def test_held_out_points_are_measured_between_the_fit_points() -> None:
     finally:
         engine.stop()
     assert doc["held_out"]["error"]["all"]["points"] == 3
-    assert doc["fit"]["error"]["all"]["points"] == 8
+    assert step_points(doc["fit"]["error"]) == 8
     stages = [stage for stage, done, _ in seen if done > 0]
     # Both stages advance together: a held-out point is measured before the fit is done.
     assert stages.index("held-out") < len(stages) - 1 - stages[::-1].index("fit")

@@ -70,6 +70,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
             "admit_s_per_token": draw(st.sampled_from([2.55e-6, 0.0])),
             "admit_s_per_request": draw(st.sampled_from([0.004, 0.0])),
             "request_overhead_s": draw(st.sampled_from([0.0095, 0.0])),
+            "busy_handling_s": draw(st.sampled_from([0.0, 0.006, 0.5])),
             "max_num_batched_tokens": draw(st.sampled_from([2048, 1, 4, 16])),
         }
         kw["ttft_slo_s"] = draw(st.sampled_from([0.0, 0.0, 0.02, 0.5, 2.0, 100.0]))

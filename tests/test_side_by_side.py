@@ -35,6 +35,7 @@ TERMS = {
     "admit_s_per_token": 2e-6,
     "admit_s_per_request": 0.001,
     "request_overhead_s": 0.002,
+    "busy_handling_s": 0.0,
 }
 
 

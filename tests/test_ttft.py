@@ -62,6 +62,24 @@ def test_a_busy_cached_engine_loses_to_an_idle_one() -> None:
     assert (d["instance"], d["branch"], d["new_prefill"]) == (1, "score", 36)
 
 
+@pytest.mark.parametrize(("handling", "instance", "new"), [(0.0, 0, 4), (0.04, 1, 36)])
+def test_a_busy_engine_starts_a_request_its_handling_time_later(
+    handling: float, instance: int, new: int
+) -> None:
+    # 0 holds PREFIX and runs a decode: 4 tokens in an 11-ms step (15 ms), 55 with 40 ms of
+    # busy handling; the idle 1 prefills all 36 in a 10-ms step (46 ms).
+    costs = {**COSTS, "busy_handling_s": handling}
+    r = kvroute.Router(2, "ttft", block_size=4, engine_profile=costs)
+    r.set_available(1, False)
+    r.route("warm", PREFIX, 32)
+    r.finish("warm")
+    r.route("running", [500], 4)
+    r.first_token("running")
+    r.set_available(1, True)
+    d = r.route_info("next", [*PREFIX, 9], 36)
+    assert (d["instance"], d["new_prefill"]) == (instance, new)
+
+
 @pytest.mark.parametrize(("slo", "instance"), [(10.0, 0), (1.0, 1)])
 def test_a_target_takes_the_most_reuse_that_meets_it(slo: float, instance: int) -> None:
     # 7.5 s predicted on the cached engine: within 10 s it wins on reuse; not within 1 s.

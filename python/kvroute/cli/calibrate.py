@@ -29,6 +29,7 @@ _TERMS = {
     "admit_s_per_token": ("admission per prompt token", 1e6, "µs"),
     "admit_s_per_request": ("admission per request", 1e3, "ms"),
     "request_overhead_s": ("request overhead", 1e3, "ms"),
+    "busy_handling_s": ("later start at a busy engine", 1e3, "ms"),
 }
 
 

@@ -21,10 +21,16 @@ cannot move). What a point measures:
   prefilled; the median;
 * ``arrival``: ``batch`` decoding requests, started as for ``mixed``; then ``ARRIVALS``
   requests of ``new`` tokens after ``cached`` ones (their prefixes sent before), one after
-  another with one output token each; for each, what the decoders' gaps from its sending to
-  just after its answer took beyond their neighbouring gaps (the median over the decoders);
-  the median. It sees what a request costs the running ones wherever its handling takes the
-  engine's time, which a lone prefill cannot tell from the request's own latency.
+  another with one output token each, each at its own point of a decode step (request k of
+  n, ``(k + u) / n`` of a step after a decoder's chunk, u uniform in [0, 1)); for each,
+  what the decoders' gaps from its sending to just after its answer took beyond their
+  neighbouring gaps (the median over the decoders); the median. It sees what a request
+  costs the running ones wherever its handling takes the engine's time, which a lone
+  prefill cannot tell from the request's own latency. The same requests make a ``busy``
+  point: their mean first-token time (spread over the step in progress, they wait half of
+  it on average) and, per request, the starts of the step that made its first token and of
+  the step before, read off the decoders' chunks: when a request that arrives while the
+  engine is stepping can start.
 
 A decode, mixed or arrival point whose decoders did not stream long enough together (a fast
 engine, or requests that reached it far apart) is tried again with as many more tokens per
@@ -82,6 +88,9 @@ MIN_WINDOW_CHUNKS = 3
 ARRIVALS = 6
 ARRIVAL_PAUSE_S = 0.05
 ARRIVAL_TAIL_S = 0.01
+#: The least time ahead an arrival is aimed at a point of a step (it comes whole steps later
+#: than one already too close).
+ARRIVAL_MARGIN_S = 0.001
 #: Gaps on each side of an arrival's that give the decoders' usual gap beside it.
 EXCESS_BASE_GAPS = 4
 #: How many times a decode or mixed point may be tried again with more tokens per decoder.
@@ -210,12 +219,14 @@ class EngineInfo:
 @dataclass
 class _Stream:
     """One streamed request: when it was sent, when each chunk with tokens came and how many
-    tokens it carried, and the cached tokens its usage reported."""
+    tokens it carried, the cached tokens its usage reported, and when each chunk reached the
+    client (its clock, whatever clock ``chunks`` are on)."""
 
     sent: float
     chunks: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
+    received: list[float] = field(default_factory=list)
 
     def window(self, start: float, end: float) -> tuple[float, int] | None:
         """The seconds per token of this stream's chunks within ``[start, end]``, and the
@@ -290,11 +301,13 @@ class _Client:
                 async for payload in sse_payloads(resp):
                     obj = _json(payload, url)
                     if obj.get("choices"):
-                        now = _engine_time(obj, url) if engine_clock else time.perf_counter()
+                        wall = time.perf_counter()
+                        now = _engine_time(obj, url) if engine_clock else wall
                         n = _chunk_tokens(obj["choices"][0])
                         if n:
                             s.chunks.append(now)
                             s.tokens.append(n)
+                            s.received.append(wall)
                     usage = obj.get("usage")
                     if usage:
                         details = usage.get("prompt_tokens_details")
@@ -351,12 +364,19 @@ class _Client:
         return statistics.median(per_token)
 
     async def beside_batch(
-        self, batch: int, context: int, tokens: int, requests: Sequence[list[int]]
+        self,
+        batch: int,
+        context: int,
+        tokens: int,
+        requests: Sequence[list[int]],
+        spread: bool = False,
     ) -> tuple[list[_Stream], list[_Stream]]:
         """``batch`` decoders of ``context`` tokens and ``tokens`` each, started as for
         ``decode``; when each has streamed ``MIXED_WARMUP`` tokens, ``requests`` are sent one
-        after another (one output token each, ``ARRIVAL_PAUSE_S`` after each answer). The
-        decoders' streams and the requests'."""
+        after another (one output token each, ``ARRIVAL_PAUSE_S`` after each answer; with
+        ``spread``, request k of n then waits for a decoder's chunk and ``(k + u) / n`` of its
+        step, u uniform in [0, 1), so the requests arrive spread over the step in progress).
+        The decoders' streams and the requests'."""
         prompts = await self.cached_prompts(batch, context)
         now = time.perf_counter()
         decoders = [_Stream(now) for _ in range(batch)]
@@ -370,7 +390,10 @@ class _Client:
                 if any(t.done() for t in tasks):
                     break
                 await asyncio.sleep(0.0005)
-            for prompt in requests:
+            for k, prompt in enumerate(requests):
+                if spread:
+                    phase = (k + self.rng.random()) / len(requests)
+                    await _into_step(decoders[0], tasks[0], phase)
                 answers.append(await self.stream(prompt, 1))
                 await asyncio.sleep(ARRIVAL_PAUSE_S)
             await asyncio.gather(*tasks)
@@ -398,15 +421,18 @@ class _Client:
             )
         return statistics.median(gaps)
 
-    async def arrival(self, batch: int, context: int, new: int, cached: int, tokens: int) -> float:
+    async def arrival(
+        self, batch: int, context: int, new: int, cached: int, tokens: int
+    ) -> tuple[float, list[float], list[tuple[float, float]]]:
         """``ARRIVALS`` requests of ``cached + new`` tokens (``cached`` sent before) beside a
         decoding batch: for each, the median over the decoders of their gaps' excess
         (:meth:`_Stream.excess`) from its sending until ``ARRIVAL_TAIL_S`` after its answer;
-        the median."""
+        the median of those, the requests' own first-token times, and their joins
+        (:func:`_join`)."""
         prompts = [self.prompt(cached + new) for _ in range(ARRIVALS)]
         if cached:
             await _all(self.stream(p[:cached], 1) for p in prompts)
-        decoders, answers = await self.beside_batch(batch, context, tokens, prompts)
+        decoders, answers = await self.beside_batch(batch, context, tokens, prompts, spread=True)
         last = answers[-1].chunks[-1] + ARRIVAL_TAIL_S
         if any(s.chunks[-1] < last for s in decoders):
             raise PointError(
@@ -414,10 +440,43 @@ class _Client:
                 f"last arrival was answered ({tokens} tokens each)",
                 _tokens_needed(decoders, last - answers[0].sent),
             )
-        return statistics.median(
+        excess = statistics.median(
             statistics.median(s.excess(a.sent, a.chunks[-1] + ARRIVAL_TAIL_S) for s in decoders)
             for a in answers
         )
+        joins = [j for a in answers if (j := _join(decoders[0], a)) is not None]
+        return excess, [a.chunks[0] - a.sent for a in answers], joins
+
+
+def _join(decoder: _Stream, request: _Stream) -> tuple[float, float] | None:
+    """Seconds from ``request``'s sending to the decoder's chunk that came a step before its
+    first token (the start of the step that made it), and to the chunk before that; None
+    when the decoder has no such chunks."""
+    gaps = [b - a for a, b in zip(decoder.chunks, decoder.chunks[1:], strict=False)]
+    if not gaps:
+        return None
+    first = request.chunks[0]
+    half = statistics.median(gaps) / 2
+    before = [t for t in decoder.chunks if t <= first - half]
+    if len(before) < 2:
+        return None
+    return before[-1] - request.sent, before[-2] - request.sent
+
+
+async def _into_step(decoder: _Stream, task: asyncio.Future[Any], fraction: float) -> None:
+    """Wait until ``fraction`` of a step after one of ``decoder``'s chunks reached the
+    client, a step being the span of its next two chunks, and whole steps later where that
+    time has passed; at once when the decoder has ended."""
+    seen = len(decoder.received)
+    while len(decoder.received) < seen + 2 and not task.done():
+        await asyncio.sleep(0.0002)
+    if len(decoder.received) < seen + 2:
+        return
+    last, step = decoder.received[-1], decoder.received[-1] - decoder.received[-2]
+    wait = last + fraction * step - time.perf_counter()
+    if step > 0 and wait < ARRIVAL_MARGIN_S:
+        wait += math.ceil((ARRIVAL_MARGIN_S - wait) / step) * step
+    await asyncio.sleep(max(wait, 0.0))
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
@@ -537,20 +596,34 @@ def first_tokens(point: Point, grid: Grid) -> int:
     return grid.decode_tokens * (ARRIVALS if point.kind == "arrival" else 1)
 
 
-async def _decoding(c: _Client, point: Point, repeats: int, tokens: int) -> list[float]:
-    """``repeats`` tries of a decode, mixed or arrival point with ``tokens`` per decoder."""
+async def _decoding(
+    c: _Client, point: Point, repeats: int, tokens: int
+) -> tuple[list[float], Point | None]:
+    """``repeats`` tries of a decode, mixed or arrival point with ``tokens`` per decoder:
+    each try's reading, and an arrival point's busy point (its requests' mean first-token
+    time and their joins; the other fields as the arrival point's)."""
     batch, context = point.batch, int(point.context)
     if point.kind == "decode":
-        return [await c.decode(batch, context, tokens) for _ in range(repeats)]
+        return [await c.decode(batch, context, tokens) for _ in range(repeats)], None
     new, cached, out = point.prefill_tokens, point.cached_tokens, tokens + MIXED_WARMUP
     if point.kind == "arrival":
-        return [await c.arrival(batch, context, new, cached, out) for _ in range(repeats)]
-    return [await c.mixed(batch, context, new, out) for _ in range(repeats)]
+        tries = [await c.arrival(batch, context, new, cached, out) for _ in range(repeats)]
+        firsts = [f for _, fs, _ in tries for f in fs]
+        busy = replace(
+            point,
+            kind="busy",
+            seconds=statistics.fmean(firsts),
+            samples=len(firsts),
+            joins=tuple(j for _, _, js in tries for j in js),
+        )
+        return [t for t, _, _ in tries], busy
+    return [await c.mixed(batch, context, new, out) for _ in range(repeats)], None
 
 
-async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> Point:
-    """Measure ``point``; a decode, mixed or arrival point that its decoders did not stream
-    long enough for is tried again with more tokens each (see the module doc)."""
+async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> list[Point]:
+    """Measure ``point`` (an arrival point gives its busy point too); a decode, mixed or
+    arrival point that its decoders did not stream long enough for is tried again with more
+    tokens each (see the module doc)."""
     await c.reset()
     if point.kind == "prefill":
         warm = [
@@ -559,13 +632,15 @@ async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) 
         seconds = statistics.median(t for t, _ in warm)
         cached = int(statistics.median(k for _, k in warm))
         new = point.prefill_tokens + point.cached_tokens - cached
-        return replace(
-            point, seconds=seconds, prefill_tokens=new, cached_tokens=cached, samples=len(warm)
-        )
+        return [
+            replace(
+                point, seconds=seconds, prefill_tokens=new, cached_tokens=cached, samples=len(warm)
+            )
+        ]
     tokens = first_tokens(point, grid)
     for growth in range(GROWTHS + 1):
         try:
-            tries = await _decoding(c, point, grid.repeats, tokens)
+            tries, busy = await _decoding(c, point, grid.repeats, tokens)
             break
         except PointError as exc:
             more = max(2 * tokens, exc.tokens_needed or 0)
@@ -580,10 +655,13 @@ async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) 
             await c.reset()
     # The decoders read their prompt and, on average, half of what they generate.
     context = point.context + tokens / 2
-    return replace(point, seconds=statistics.median(tries), context=context, samples=len(tries))
+    out = [replace(point, seconds=statistics.median(tries), context=context, samples=len(tries))]
+    if busy is not None:
+        out.append(replace(busy, context=context))
+    return out
 
 
-async def _measure_point(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> Point:
+async def _measure_point(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> list[Point]:
     """:func:`_measure_one`, tried up to ``POINT_TRIES`` times when it fails otherwise than
     by the point itself (an error answer, a lost connection)."""
     for attempt in range(1, POINT_TRIES + 1):
@@ -662,7 +740,7 @@ async def measure_grids(
         queue: asyncio.Queue[tuple[int, int, Point]] = asyncio.Queue()
         for item in _interleave(todo):
             queue.put_nowait(item)
-        done: list[dict[int, Point]] = [{} for _ in grids]
+        done: list[dict[int, list[Point]]] = [{} for _ in grids]
         finished = [0 for _ in grids]
         if progress is not None:
             for k, ps in enumerate(todo):
@@ -690,7 +768,7 @@ async def measure_grids(
     if len(given_up) == len(clients):
         last = skipped[-1] if skipped else ""
         raise CalibrationError(f"every engine was given up ({'; '.join(given_up)}); last: {last}")
-    return [[d[j] for j in sorted(d)] for d in done], infos, skipped + given_up
+    return [[p for j in sorted(d) for p in d[j]] for d in done], infos, skipped + given_up
 
 
 async def measure(

@@ -14,12 +14,23 @@ A measured point is one of four kinds (``docs/simulator.md`` "Calibration"):
 * ``arrival``: what one request of ``prefill_tokens`` new tokens after ``cached_tokens``
   cached ones, with one output token, adds to the time of a running decode batch, all its
   steps together (its prefill chunks and its admission: what a request costs the requests
-  already running, wherever its handling takes the engine's time).
+  already running, wherever its handling takes the engine's time);
+* ``busy``: the same requests' own mean time to first token beside that batch: on average
+  half a decode step before the step it can join, its steps (each also decoding the batch),
+  its admission, ``request_overhead_s``, and ``busy_handling_s``, the later start of a
+  request that arrives while a step is in progress; and, per request, when the step that
+  made its first token started and the step before it (``joins``).
 
-Each is a linear function of the eight cost terms (:data:`COST_TERMS`), so the fit is a
-non-negative least squares on relative errors, solved exactly by trying every subset of the
-terms (2^8 small solves). O(points) per prediction; the fit O(256 · points); plain data,
-thread-safe.
+Each is a linear function of the cost terms (:data:`COST_TERMS`). The first eight are fitted
+to the other kinds by a non-negative least squares on relative errors, solved exactly by
+trying every subset of the terms (2^8 small solves). ``busy_handling_s`` is then read off
+the busy points' requests: in the engine model a request that arrives at ``t`` joins the
+first step that starts at or after ``t + busy_handling_s``, so each request bounds it
+between the starts of its step and of the step before (less ``request_overhead_s``, the
+delay of the readings); the fit is the value nearest to all those intervals (least total
+distance, the middle of the best stretch; at least 0). Requests evenly spread over the step
+in progress make the intervals cross near the true value, whatever the step's length.
+O(points) per prediction; the fit O(256 · points + requests²); plain data, thread-safe.
 """
 
 from __future__ import annotations
@@ -49,8 +60,11 @@ COST_TERMS = (
     "admit_s_per_token",
     "admit_s_per_request",
     "request_overhead_s",
+    "busy_handling_s",
 )
-KINDS = ("prefill", "decode", "mixed", "arrival")
+#: The terms the least squares finds (the last, ``busy_handling_s``, is fitted after them).
+STEP_TERMS = COST_TERMS[:-1]
+KINDS = ("prefill", "decode", "mixed", "arrival", "busy")
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,10 @@ class Point:
     batch: int = 0
     context: float = 0.0
     samples: int = 1
+    #: A busy point's requests: seconds from each one's arrival to the start of the step that
+    #: made its first token, and to the start of the step before it (both as the readings
+    #: show them, ``request_overhead_s`` late).
+    joins: tuple[tuple[float, float], ...] = ()
 
 
 def _chunks(new: int, cached: int, budget: int) -> Iterable[tuple[int, int]]:
@@ -94,6 +112,13 @@ def features(point: Point, budget: int) -> np.ndarray:
         x[7] = 1.0
     elif point.kind == "arrival":
         x[0] = 0.0  # each of its steps also decodes the batch: no step of its own
+    elif point.kind == "busy":
+        # Half a decode step's wait on average, then its own steps, each decoding the batch.
+        steps = x[0] + 0.5
+        x[0] = steps
+        x[3] = steps * point.batch
+        x[4] = steps * point.batch * point.context
+        x[7] = x[8] = 1.0
     else:  # decode, mixed: one step, whatever it holds
         x[0] = 1.0
         x[3] = point.batch
@@ -126,20 +151,41 @@ def _nnls_relative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit(points: Sequence[Point], budget: int) -> dict[str, float]:
-    """The cost terms that best predict ``points`` (relative least squares, terms >= 0)."""
-    if len(points) < len(COST_TERMS):
-        raise InvalidArgumentError(
-            f"a fit of {len(COST_TERMS)} terms needs at least as many points, got {len(points)}"
-        )
-    a = np.array([features(p, budget) for p in points])
-    y = np.array([p.seconds for p in points])
-    if not np.all(np.isfinite(y)) or np.any(y <= 0):
+    """The cost terms that best predict ``points`` (relative least squares, terms >= 0; see
+    the module doc for ``busy_handling_s``)."""
+    if any(not (math.isfinite(p.seconds) and p.seconds > 0) for p in points):
         raise InvalidArgumentError("every measured point must take a positive, finite time")
+    steps = [p for p in points if p.kind != "busy"]
+    if len(steps) < len(STEP_TERMS):
+        raise InvalidArgumentError(
+            f"a fit of {len(STEP_TERMS)} terms needs at least as many points besides the "
+            f"busy ones, got {len(steps)}"
+        )
+    a = np.array([features(p, budget)[: len(STEP_TERMS)] for p in steps])
+    y = np.array([p.seconds for p in steps])
     # Scale the columns to comparable sizes so that lstsq is well conditioned.
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
     theta = _nnls_relative(a / scale, y) / scale
-    return {t: float(v) for t, v in zip(COST_TERMS, theta, strict=True)}
+    terms = {t: float(v) for t, v in zip(STEP_TERMS, theta, strict=True)}
+    late = terms["request_overhead_s"]
+    bounds = [(before - late, join - late) for p in points for join, before in p.joins]
+    terms["busy_handling_s"] = max(0.0, nearest(bounds)) if bounds else 0.0
+    return terms
+
+
+def nearest(intervals: Sequence[tuple[float, float]]) -> float:
+    """The x with the least total distance to the ``(low, high)`` intervals (the middle of
+    the stretch of such x)."""
+
+    def cost(x: float) -> float:
+        return sum(max(0.0, lo - x) + max(0.0, x - hi) for lo, hi in intervals)
+
+    ends = sorted({e for pair in intervals for e in pair})
+    costs = [cost(x) for x in ends]
+    best = min(costs)
+    tied = [x for x, c in zip(ends, costs, strict=True) if c <= best + 1e-12]
+    return (tied[0] + tied[-1]) / 2
 
 
 def residuals(
@@ -258,12 +304,14 @@ __all__ = [
     "COST_TERMS",
     "FORMAT",
     "KINDS",
+    "STEP_TERMS",
     "Point",
     "error_summary",
     "features",
     "fit",
     "load_profile",
     "make_profile",
+    "nearest",
     "predict",
     "residuals",
 ]

@@ -242,6 +242,7 @@ pub fn predicted_ttft(c: &TtftCosts, load: &InstanceLoad, new_prefill: u64, inpu
         + c.admit_s_per_token * input_length as f64
         + c.admit_s_per_request
         + c.request_overhead_s
+        + if load.num_requests > 0 { c.busy_handling_s } else { 0.0 }
 }
 
 /// `ttft`: with a target, the most cache reuse (then the least predicted time) among the

@@ -143,6 +143,9 @@ pub struct TtftCosts {
     pub admit_s_per_request: f64,
     /// Outside the engine's steps (API server, HTTP).
     pub request_overhead_s: f64,
+    /// Before a busy instance's scheduler sees the request (its handling takes turns with the
+    /// steps), beyond an idle one's.
+    pub busy_handling_s: f64,
     /// Prefill tokens one step takes at most (`max_num_batched_tokens`).
     pub max_num_batched_tokens: u64,
 }
@@ -158,6 +161,7 @@ impl TtftCosts {
             ("admit_s_per_token", self.admit_s_per_token),
             ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
+            ("busy_handling_s", self.busy_handling_s),
         ];
         for (name, value) in terms {
             if !value.is_finite() || value < 0.0 {

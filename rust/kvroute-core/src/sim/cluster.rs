@@ -229,6 +229,7 @@ impl Loop<'_, '_> {
                     self.send(s, t)?;
                 }
                 Next::Driver(t, Kind::Send(s)) => self.send(s, t)?,
+                Next::Driver(t, Kind::Deliver(row)) => self.deliver(row, t),
                 Next::Segment(t, e) => {
                     self.segment(e as usize, t);
                     self.admit(t)?;
@@ -282,7 +283,6 @@ impl Loop<'_, '_> {
         let i = row as usize;
         let keys = self.trace.keys_of(i);
         let input = self.trace.input_length[i] as u64;
-        let output = self.trace.output_length[i] as u64;
         let (rid, session) = (Id::Int(i64::from(row)), Id::Int(i64::from(s)));
         let d = match only {
             None => self.router.route(rid, keys, input, Some(&session))?,
@@ -295,6 +295,27 @@ impl Loop<'_, '_> {
         self.in_flight += 1;
         self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight);
         let e = d.instance;
+        if let Some(s) = &mut self.settling {
+            s.collect_engine(e, &mut self.queue, self.engines);
+        }
+        let engine = locked(&self.engines[e]);
+        // A busy engine's scheduler sees the request its handling time later.
+        let handling = if engine.segment_end().is_some() { engine.params().busy_handling_s } else { 0.0 };
+        drop(engine);
+        if handling > 0.0 {
+            self.queue.push(t + handling, Kind::Deliver(row));
+            return Ok(());
+        }
+        self.deliver(row, t);
+        Ok(())
+    }
+
+    /// Trace row `row`, routed already, reaches its engine's scheduler at `t`.
+    fn deliver(&mut self, row: u32, t: f64) {
+        let i = row as usize;
+        let e = self.rec.instance[i] as usize;
+        let (keys, input, output) =
+            (self.trace.keys_of(i), self.trace.input_length[i] as u64, self.trace.output_length[i] as u64);
         if let Some(s) = &mut self.settling {
             s.collect_engine(e, &mut self.queue, self.engines);
         }
@@ -314,7 +335,6 @@ impl Loop<'_, '_> {
                 self.turn_done(row, t);
             }
         }
-        Ok(())
     }
 
     /// Engine `e`'s segment ended at `t`: report its events, settle it (on the second thread

@@ -108,6 +108,21 @@ impl<'a> Engine<'a> {
         tokens.div_ceil(self.p.kv_block_size)
     }
 
+    /// Refuse (and count) a request of these lengths that could never fit in the pool, as
+    /// [`Engine::submit`] does.
+    pub fn refuse_oversized(
+        &mut self,
+        input_length: u64,
+        output_length: u64,
+    ) -> std::result::Result<(), Reject> {
+        let need = self.blocks(input_length.max(1) + output_length.max(1));
+        if need > self.kv.total() {
+            self.counters.rejected += 1;
+            return Err(Reject::ExceedsKvCapacity { need_blocks: need, total_blocks: self.kv.total() });
+        }
+        Ok(())
+    }
+
     /// A request arrives at `now`; returns its handle. Keys past the prompt are ignored; an
     /// output of 0 tokens counts as 1. Refused when it could never fit in the pool.
     pub fn submit(
@@ -118,13 +133,9 @@ impl<'a> Engine<'a> {
         output_length: u64,
         now: f64,
     ) -> std::result::Result<u32, Reject> {
+        self.refuse_oversized(input_length, output_length)?;
         let input_length = input_length.max(1);
         let output = output_length.max(1);
-        let need = self.blocks(input_length + output);
-        if need > self.kv.total() {
-            self.counters.rejected += 1;
-            return Err(Reject::ExceedsKvCapacity { need_blocks: need, total_blocks: self.kv.total() });
-        }
         let n_keys = input_length.div_ceil(self.p.block_size) as usize;
         let keys = match keys {
             Cow::Borrowed(k) => Cow::Borrowed(&k[..k.len().min(n_keys)]),

@@ -5,11 +5,14 @@
 //! Events are cumulative and in time order: `FirstToken` (1 token out), `Tokens` (`generated`
 //! so far; also reported step by step inside a closed-form decode run), `Finish` (after its
 //! last `Tokens`). A `submit` first completes every segment that ended by its `now`, keeping
-//! their events for the next `advance`, so arrivals are never applied out of order.
+//! their events for the next `advance`, so arrivals are never applied out of order. A request
+//! that arrives while a step is in progress is held for the engine's `busy_handling_s` and
+//! reaches the scheduler then.
 //! Cost: O(events) per call plus the engine's own. Not synchronised (the Python class holds
 //! it behind a lock).
 
 use std::borrow::Cow;
+use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
@@ -38,7 +41,22 @@ pub struct LiveEngine {
     reported: FxHashMap<u64, u64>,
     pending: Vec<LiveEvent>,
     scratch: Vec<EngineEvent>,
+    /// Requests in their busy-engine handling, by the time they reach the scheduler.
+    held: VecDeque<Held>,
 }
+
+/// A request on its way to a busy engine's scheduler.
+#[derive(Debug, Clone)]
+struct Held {
+    at: f64,
+    tag: u64,
+    keys: Vec<u64>,
+    input_length: u64,
+    output_length: u64,
+}
+
+/// `by_id`'s handle of a held request, until it reaches the engine.
+const NOT_YET: u32 = u32::MAX;
 
 impl LiveEngine {
     /// An idle engine.
@@ -52,6 +70,7 @@ impl LiveEngine {
             reported: FxHashMap::default(),
             pending: Vec::new(),
             scratch: Vec::new(),
+            held: VecDeque::new(),
         })
     }
 
@@ -86,31 +105,44 @@ impl LiveEngine {
             return Err(Error::DuplicateRequest(id.to_string()));
         }
         self.clock(now)?;
-        self.complete_until(self.now);
-        let tag = self.next_tag;
-        let handle = self
-            .engine
-            .submit(tag, Cow::Owned(keys), input_length, output_length, self.now)
+        self.catch_up(self.now);
+        self.engine
+            .refuse_oversized(input_length, output_length)
             .map_err(|r| Error::InvalidArgument(format!("request {id} rejected: {r}")))?;
+        let tag = self.next_tag;
         self.next_tag += 1;
+        let handling = self.engine.params().busy_handling_s;
+        let handle = if self.engine.segment_end().is_some() && handling > 0.0 {
+            let at = self.now + handling;
+            self.held.push_back(Held { at, tag, keys, input_length, output_length });
+            NOT_YET
+        } else {
+            self.engine
+                .submit(tag, Cow::Owned(keys), input_length, output_length, self.now)
+                .expect("checked to fit")
+        };
         self.by_id.insert(id.clone(), (tag, handle));
         self.by_tag.insert(tag, id);
         Ok(())
     }
 
-    /// When the next token (or finish) comes out; None when idle. Events already due are
-    /// due at the latest time seen.
+    /// When the next token (or finish) comes out, or a held request reaches the scheduler;
+    /// None when idle. Events already due are due at the latest time seen.
     pub fn next_event_time(&self) -> Option<f64> {
         if !self.pending.is_empty() {
             return Some(self.now);
         }
-        self.engine.next_step_end(self.now)
+        let step = self.engine.next_step_end(self.now);
+        match self.held.front() {
+            Some(h) => Some(step.map_or(h.at, |t| t.min(h.at))),
+            None => step,
+        }
     }
 
     /// Every event up to `now`, in time order.
     pub fn advance(&mut self, now: f64) -> Result<Vec<LiveEvent>> {
         self.clock(now)?;
-        self.complete_until(self.now);
+        self.catch_up(self.now);
         let mut out = std::mem::take(&mut self.pending);
         let (by_tag, reported) = (&self.by_tag, &mut self.reported);
         self.engine.run_progress(self.now, |tag, generated, time| {
@@ -150,6 +182,10 @@ impl LiveEngine {
             | LiveEvent::Tokens { id: i, .. }
             | LiveEvent::Finish { id: i, .. } => i != id,
         });
+        if handle == NOT_YET {
+            self.held.retain(|h| h.tag != tag);
+            return true;
+        }
         self.engine.cancel(handle)
     }
 
@@ -161,6 +197,24 @@ impl LiveEngine {
     /// Requests in the engine.
     pub fn active(&self) -> usize {
         self.by_id.len()
+    }
+
+    /// Complete the segments and hand the held requests to the scheduler, in time order,
+    /// up to `now`.
+    fn catch_up(&mut self, now: f64) {
+        while let Some(h) = self.held.front().filter(|h| h.at <= now) {
+            let at = h.at;
+            self.complete_until(at);
+            let h = self.held.pop_front().expect("a held request");
+            let handle = self
+                .engine
+                .submit(h.tag, Cow::Owned(h.keys), h.input_length, h.output_length, at)
+                .expect("checked to fit");
+            if let Some(id) = self.by_tag.get(&h.tag) {
+                self.by_id.insert(id.clone(), (h.tag, handle));
+            }
+        }
+        self.complete_until(now);
     }
 
     fn complete_until(&mut self, now: f64) {

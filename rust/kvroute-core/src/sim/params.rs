@@ -14,7 +14,9 @@
 //!
 //! A request also spends `request_overhead_s` outside the steps (the API server's input and
 //! output processing): the client sees its tokens and its end that much later than the engine
-//! makes them.
+//! makes them. One that arrives while the engine is stepping reaches the scheduler
+//! `busy_handling_s` later than at an idle engine (its handling waits for the core or the
+//! thread the steps run on).
 //!
 //! The KV pool holds `kv_capacity_tokens` tokens (rounded down to `kv_block_size` blocks);
 //! unless set, it is derived: `hbm_bytes * gpu_memory_utilization - weight_bytes -
@@ -65,6 +67,9 @@ pub struct EngineParams {
     pub admit_s_per_request: f64,
     /// Latency a request spends outside the engine's steps (API server, HTTP) (s).
     pub request_overhead_s: f64,
+    /// How much later a request that arrives while a step is in progress reaches the
+    /// scheduler than one at an idle engine: its handling takes turns with the steps (s).
+    pub busy_handling_s: f64,
 }
 
 /// Names of the presets, in the order `kvroute.sim.presets()` lists them.
@@ -131,11 +136,12 @@ impl EngineParams {
             admit_s_per_token: 0.0,
             admit_s_per_request: 0.0,
             request_overhead_s: 0.0,
+            busy_handling_s: 0.0,
         })
     }
 
     /// Names of the settable parameters, as [`set`](Self::set) takes them.
-    pub const NAMES: [&'static str; 18] = [
+    pub const NAMES: [&'static str; 19] = [
         "block_size",
         "kv_block_size",
         "max_num_batched_tokens",
@@ -154,6 +160,7 @@ impl EngineParams {
         "admit_s_per_token",
         "admit_s_per_request",
         "request_overhead_s",
+        "busy_handling_s",
     ];
 
     /// Set one parameter by name; integers must be whole and non-negative.
@@ -188,6 +195,7 @@ impl EngineParams {
             "admit_s_per_token" => self.admit_s_per_token = value,
             "admit_s_per_request" => self.admit_s_per_request = value,
             "request_overhead_s" => self.request_overhead_s = value,
+            "busy_handling_s" => self.busy_handling_s = value,
             _ => {
                 return Err(Error::InvalidArgument(format!(
                     "unknown engine parameter {name:?}; known: {}",
@@ -209,6 +217,7 @@ impl EngineParams {
             admit_s_per_token: self.admit_s_per_token,
             admit_s_per_request: self.admit_s_per_request,
             request_overhead_s: self.request_overhead_s,
+            busy_handling_s: self.busy_handling_s,
             max_num_batched_tokens: self.max_num_batched_tokens,
         }
     }
@@ -234,6 +243,7 @@ impl EngineParams {
             ("admit_s_per_token", self.admit_s_per_token),
             ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
+            ("busy_handling_s", self.busy_handling_s),
         ]
     }
 
@@ -288,6 +298,7 @@ impl EngineParams {
             ("admit_s_per_token", self.admit_s_per_token),
             ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
+            ("busy_handling_s", self.busy_handling_s),
         ] {
             // A step then lasts at least step_overhead_s, which the simulator relies on.
             if !(v >= 0.0 && v.is_finite()) {

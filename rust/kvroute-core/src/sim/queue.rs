@@ -1,5 +1,5 @@
 //! The simulator's event queue: the earliest of (time, sequence) over a binary heap of
-//! driver events (launches, sends, samples) and each engine's one pending segment end.
+//! driver events (launches, sends, deliveries, samples) and each engine's one pending segment end.
 //!
 //! Engines' segment ends sit in a tournament tree (a leaf per engine, each inner node the
 //! earlier of its two children): rescheduling an engine replaces its leaf and replays its
@@ -18,6 +18,8 @@ use std::collections::BinaryHeap;
 pub(crate) enum Kind {
     Launch,
     Send(u32),
+    /// A routed trace row reaches its engine's scheduler (after a busy engine's handling).
+    Deliver(u32),
     Sample,
 }
 

@@ -284,3 +284,59 @@ fn live_engine_reports_cumulative_events_in_order() {
     assert_eq!(live.stats().kv_used_blocks, 0);
     assert_eq!(live.active(), 0);
 }
+
+/// A request that arrives while a step is in progress reaches the scheduler
+/// `busy_handling_s` later (and joins the first step after that); one at an idle engine does
+/// not wait; a held request can be cancelled, and an oversized one is refused at once.
+#[test]
+fn live_engine_holds_a_busy_engines_arrivals_for_their_handling() {
+    use crate::router::Id;
+    let first_token_of = |handling: f64| {
+        let mut p = params(100_000);
+        p.set("busy_handling_s", handling).unwrap();
+        let mut live = LiveEngine::new(p).unwrap();
+        // A: a 0.02-s prefill step, then 0.01-s decode steps.
+        live.submit(Id::Int(1), (0..1).collect(), 100, 5, 0.0).unwrap();
+        live.submit(Id::Int(2), (10..11).collect(), 100, 1, 0.025).unwrap();
+        let mut firsts = Vec::new();
+        while let Some(t) = live.next_event_time() {
+            for ev in live.advance(t).unwrap() {
+                if let LiveEvent::FirstToken { id, time, .. } = ev {
+                    firsts.push((id, time));
+                }
+            }
+        }
+        // An idle engine's arrival goes straight to the scheduler.
+        live.submit(Id::Int(3), (20..21).collect(), 100, 1, 1.0).unwrap();
+        let t = live.next_event_time().unwrap();
+        let idle = live.advance(t).unwrap();
+        (firsts, idle)
+    };
+    let (plain, _) = first_token_of(0.0);
+    let (held, idle) = first_token_of(0.02);
+    let at = |v: &[(Id, f64)], id: i64| v.iter().find(|(i, _)| *i == Id::Int(id)).unwrap().1;
+    // B arrives during A's decode step 0.02-0.03: it joins at 0.03 and takes 0.02 s; held
+    // until 0.045, it joins at 0.05.
+    assert!((at(&plain, 2) - 0.05).abs() < 1e-9, "{plain:?}");
+    assert!((at(&held, 2) - 0.07).abs() < 1e-9, "{held:?}");
+    assert!((at(&held, 1) - 0.02).abs() < 1e-9);
+    assert!(matches!(idle[0], LiveEvent::FirstToken { time, .. } if (time - 1.02).abs() < 1e-9));
+
+    let mut p = params(100_000);
+    p.set("busy_handling_s", 0.02).unwrap();
+    let mut live = LiveEngine::new(p).unwrap();
+    live.submit(Id::Int(1), (0..1).collect(), 100, 2, 0.0).unwrap();
+    live.submit(Id::Int(2), (10..11).collect(), 100, 1, 0.005).unwrap();
+    assert!(live.submit(Id::Int(3), vec![], 10_000_000, 1, 0.006).is_err());
+    assert_eq!(live.active(), 2);
+    assert!(live.cancel(&Id::Int(2)));
+    assert_eq!(live.active(), 1);
+    let mut seen = Vec::new();
+    while let Some(t) = live.next_event_time() {
+        seen.extend(live.advance(t).unwrap());
+    }
+    assert!(seen.iter().all(|e| matches!(e,
+        LiveEvent::FirstToken { id, .. } | LiveEvent::Tokens { id, .. } | LiveEvent::Finish { id, .. }
+            if *id == Id::Int(1))));
+    assert_eq!((live.active(), live.stats().counters.rejected), (0, 1));
+}

@@ -261,11 +261,13 @@ fn second_thread_changes_no_result() {
         o
     };
     let (mut preempted, mut evicted, mut settled) = (false, false, 0);
+    let handling = EngineParams { busy_handling_s: 0.004, ..tight.clone() };
     let traces = [
         (synthetic(12, 5), &roomy),
         (dense(synthetic(12, 5)), &roomy),
         (dense(synthetic(12, 5)), &tight),
         (identical(16, 4), &tight),
+        (identical(16, 4), &handling),
     ];
     for (o, engine) in traces {
         for policy in [Policy::Unified, Policy::Lmetric, Policy::SglangCacheAware, Policy::RoundRobin] {
@@ -285,4 +287,38 @@ fn second_thread_changes_no_result() {
         }
     }
     assert!(preempted && evicted && settled > 100, "{preempted} {evicted} {settled}");
+}
+
+/// A request routed to an engine in the middle of a step reaches its scheduler
+/// `busy_handling_s` later; one routed to an idle engine does not wait.
+#[test]
+fn a_busy_engine_sees_a_request_its_handling_time_later() {
+    let mut o = Owned::empty();
+    for s in 0..2u32 {
+        o.ts.push(0.0);
+        o.sess.push(s);
+        o.turn.push(0);
+        o.inp.push(512);
+        o.out.push(4);
+        o.keys.push(u64::from(s) + 1);
+        o.off.push(o.keys.len() as i64);
+        o.ttp.push(f64::NAN);
+    }
+    let ttft = |handling: f64| {
+        let engine = EngineParams {
+            busy_handling_s: handling,
+            ..EngineParams::preset("h20-qwen3-coder-30b-a3b").unwrap()
+        };
+        let cfg = RunConfig { instances: 1, engine, ..config(Policy::RoundRobin, Mode::Tracets) };
+        let out = simulate(&o, &cfg);
+        assert_eq!(out.stats.finished, 2);
+        let r = &out.records;
+        (r.first_token[0] - r.send[0], r.first_token[1] - r.send[1])
+    };
+    let (a0, b0) = ttft(0.0);
+    let (a1, b1) = ttft(0.5);
+    assert_eq!(a0, a1, "the first found the engine idle");
+    // The second was behind the first's prefill step (about 85 ms) either way; held for 0.5
+    // s it comes after the first's decode steps too, in a step of its own.
+    assert!(b0 < 0.3 && b1 > 0.5, "{b0} {b1}");
 }
