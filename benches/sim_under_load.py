@@ -6,9 +6,9 @@ the same arrivals simulated on a profile of the same engines, with the profile's
     .venv/bin/python benches/sim_under_load.py --url http://127.0.0.1:8101 \\
         --url http://127.0.0.1:8102 [--profile profile.json] [--rates 8,16,24] [--seeds 3]
 
-Without ``--profile`` the engines are calibrated first (``--grid``, default short). Prints, per rate
-and source, TTFT p50/p90/p99 and TPOT p50/p90 (ms) over the seeds' requests together, and
-each simulated figure's error against the engines'; ``--json`` writes them. Results in
+Without ``--profile`` the engines are calibrated first (``--grid``, default short). Prints,
+per rate and source, TTFT p50/p90/p99 and TPOT p50/p90 (ms) over the seeds' requests
+together, and each simulated figure's error against the engines'; ``--json`` writes them. Results in
 ``docs/report.md`` ("A later start at a busy engine"). Minutes: one replay per rate and
 seed (219 requests), on engines that take one core each.
 """

@@ -449,16 +449,20 @@ def start_engine(
     temp_dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
     env = engine_env(core % ncores, None if sized else 1)
     env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(temp_dir)
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            [*engine_command(model, port, events_port, replay_port), *(extra_args or [])],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=lambda: _child_setup(core % ncores),
-        )
+    try:
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                [*engine_command(model, port, events_port, replay_port), *(extra_args or [])],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=lambda: _child_setup(core % ncores),
+            )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)  # no engine to remove it with
+        raise
     return Engine(port, events_port, core, process, log_path, replay_port, temp_dir)
 
 

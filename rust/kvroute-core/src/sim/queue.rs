@@ -1,5 +1,6 @@
 //! The simulator's event queue: the earliest of (time, sequence) over a binary heap of
-//! driver events (launches, sends, deliveries, samples) and each engine's one pending segment end.
+//! driver events (launches, sends, deliveries, samples) and each engine's one pending
+//! segment end.
 //!
 //! Engines' segment ends sit in a tournament tree (a leaf per engine, each inner node the
 //! earlier of its two children): rescheduling an engine replaces its leaf and replays its
