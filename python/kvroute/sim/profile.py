@@ -2,7 +2,7 @@
 the JSON file that carries them (``kvroute calibrate`` writes it; ``kvroute simulate
 --engine-profile`` and ``kvroute engine --engine-profile`` load it).
 
-A measured point is one of four kinds (``docs/simulator.md`` "Calibration"):
+A measured point is one of five kinds (``docs/simulator.md`` "Calibration"):
 
 * ``prefill``: the time to first token of a lone request on an idle engine, ``prefill_tokens``
   new tokens after ``cached_tokens`` cached ones, in chunks of ``max_num_batched_tokens``
