@@ -44,6 +44,10 @@ class Engine:
 
     def __init__(self, ctx: zmq.Context[Any], replay: Callable[[int], Iterator[Any]]) -> None:
         self.pub = ctx.socket(zmq.PUB)
+        # A flood of a thousand batches must not lose the one after it on this side (PUB
+        # drops past its high-water mark, and nothing after the last batch would show the
+        # gap): what is under test is the subscriber.
+        self.pub.setsockopt(zmq.SNDHWM, 0)
         port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.router = ctx.socket(zmq.ROUTER)
