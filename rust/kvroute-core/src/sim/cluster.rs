@@ -298,10 +298,7 @@ impl Loop<'_, '_> {
         if let Some(s) = &mut self.settling {
             s.collect_engine(e, &mut self.queue, self.engines);
         }
-        let engine = locked(&self.engines[e]);
-        // A busy engine's scheduler sees the request its handling time later.
-        let handling = if engine.segment_end().is_some() { engine.params().busy_handling_s } else { 0.0 };
-        drop(engine);
+        let handling = locked(&self.engines[e]).arrival_delay();
         if handling > 0.0 {
             self.queue.push(t + handling, Kind::Deliver(row));
             return Ok(());

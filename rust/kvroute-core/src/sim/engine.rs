@@ -186,6 +186,16 @@ impl<'a> Engine<'a> {
         Ok(handle)
     }
 
+    /// How much later than now a request arriving now reaches the scheduler: the engine's
+    /// `busy_handling_s` while a step is in progress, 0 at an idle engine.
+    pub fn arrival_delay(&self) -> f64 {
+        if self.seg.is_some() {
+            self.p.busy_handling_s
+        } else {
+            0.0
+        }
+    }
+
     /// When the segment in progress ends (None: idle).
     pub fn segment_end(&self) -> Option<f64> {
         self.seg.as_ref().map(|s| s.end)

@@ -111,8 +111,8 @@ impl LiveEngine {
             .map_err(|r| Error::InvalidArgument(format!("request {id} rejected: {r}")))?;
         let tag = self.next_tag;
         self.next_tag += 1;
-        let handling = self.engine.params().busy_handling_s;
-        let handle = if self.engine.segment_end().is_some() && handling > 0.0 {
+        let handling = self.engine.arrival_delay();
+        let handle = if handling > 0.0 {
             let at = self.now + handling;
             self.held.push_back(Held { at, tag, keys, input_length, output_length });
             NOT_YET
