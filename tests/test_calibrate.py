@@ -208,6 +208,44 @@ def test_a_point_that_cannot_be_measured_is_skipped_and_listed() -> None:
     assert doc["fit"]["error"]["all"]["points"] == len(grid.points()) - 1
 
 
+def test_arrival_points_hold_their_prefixes_and_count_the_cached_tokens_reported() -> None:
+    """An arrival point's six requests each cache a prefix of their own before they go: on
+    a small KV pool the point whose prefixes would not fit is skipped (they would evict each
+    other), and a point records the cached tokens the engine reported, not those meant."""
+    import asyncio
+
+    from kvroute.sim import calibrate as cal
+
+    small = cal.EngineInfo("http://e", "m", 8192, kv_block_size=32, num_gpu_blocks=768)
+    grid = GRIDS["short"]
+    fits = {
+        (b, c, n, k): cal.feasible(
+            Point("arrival", 0.0, prefill_tokens=n, cached_tokens=k, batch=b, context=float(c)),
+            small,
+            grid,
+            128,
+        )
+        for b, c, n, k in grid.arrivals
+    }
+    assert fits[(8, 512, 64, 2048)] is None
+    why = fits[(8, 512, 16, 4096)]
+    assert why is not None and "exceed 80% of the KV pool (24576 tokens)" in why, why
+
+    class Evicting:
+        """Reports half of each prefix cached, as an engine that evicted the rest."""
+
+        async def arrival(
+            self, batch: int, context: int, new: int, cached: int, tokens: int
+        ) -> tuple[float, list[float], list[tuple[float, float]], list[int]]:
+            return 0.004, [0.02] * cal.ARRIVALS, [], [cached // 2] * cal.ARRIVALS
+
+    point = Point("arrival", 0.0, prefill_tokens=64, cached_tokens=2048, batch=8, context=512.0)
+    tries, measured, busy = asyncio.run(cal._decoding(Evicting(), point, 2, 24))  # type: ignore[arg-type]
+    assert tries == [0.004, 0.004]
+    assert (measured.prefill_tokens, measured.cached_tokens) == (64 + 1024, 1024)
+    assert busy is not None and busy.kind == "busy" and busy.cached_tokens == 1024
+
+
 def test_failed_points_are_tried_again_and_a_failing_engine_given_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

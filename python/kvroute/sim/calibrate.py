@@ -423,12 +423,12 @@ class _Client:
 
     async def arrival(
         self, batch: int, context: int, new: int, cached: int, tokens: int
-    ) -> tuple[float, list[float], list[tuple[float, float]]]:
+    ) -> tuple[float, list[float], list[tuple[float, float]], list[int]]:
         """``ARRIVALS`` requests of ``cached + new`` tokens (``cached`` sent before) beside a
         decoding batch: for each, the median over the decoders of their gaps' excess
         (:meth:`_Stream.excess`) from its sending until ``ARRIVAL_TAIL_S`` after its answer;
-        the median of those, the requests' own first-token times, and their joins
-        (:func:`_join`)."""
+        the median of those, the requests' own first-token times, their joins
+        (:func:`_join`) and the cached tokens the engine reported for each."""
         prompts = [self.prompt(cached + new) for _ in range(ARRIVALS)]
         if cached:
             await _all(self.stream(p[:cached], 1) for p in prompts)
@@ -445,7 +445,7 @@ class _Client:
             for a in answers
         )
         joins = [j for a in answers if (j := _join(decoders[0], a)) is not None]
-        return excess, [a.chunks[0] - a.sent for a in answers], joins
+        return excess, [a.chunks[0] - a.sent for a in answers], joins, [a.cached for a in answers]
 
 
 def _join(decoder: _Stream, request: _Stream) -> tuple[float, float] | None:
@@ -580,7 +580,11 @@ def feasible(
     longest = max(point.prefill_tokens + point.cached_tokens, int(point.context)) + out
     if info.max_model_len and longest > info.max_model_len:
         return f"{longest} tokens exceed max_model_len {info.max_model_len}"
-    held = point.batch * (point.context + out) + point.prefill_tokens + point.cached_tokens
+    # An arrival point's requests each have a prefix of their own, cached before they go.
+    prompts = ARRIVALS if point.kind == "arrival" else 1
+    held = point.batch * (point.context + out) + prompts * (
+        point.prefill_tokens + point.cached_tokens
+    )
     if info.num_gpu_blocks and info.kv_block_size:
         capacity = info.num_gpu_blocks * info.kv_block_size
         if held > 0.8 * capacity:
@@ -598,26 +602,30 @@ def first_tokens(point: Point, grid: Grid) -> int:
 
 async def _decoding(
     c: _Client, point: Point, repeats: int, tokens: int
-) -> tuple[list[float], Point | None]:
+) -> tuple[list[float], Point, Point | None]:
     """``repeats`` tries of a decode, mixed or arrival point with ``tokens`` per decoder:
-    each try's reading, and an arrival point's busy point (its requests' mean first-token
-    time and their joins; the other fields as the arrival point's)."""
+    each try's reading; the point as measured (an arrival point's cached tokens those the
+    engine reported, as a prefill point's); and an arrival point's busy point (its requests'
+    mean first-token time and their joins; the other fields as the arrival point's)."""
     batch, context = point.batch, int(point.context)
     if point.kind == "decode":
-        return [await c.decode(batch, context, tokens) for _ in range(repeats)], None
+        return [await c.decode(batch, context, tokens) for _ in range(repeats)], point, None
     new, cached, out = point.prefill_tokens, point.cached_tokens, tokens + MIXED_WARMUP
     if point.kind == "arrival":
         tries = [await c.arrival(batch, context, new, cached, out) for _ in range(repeats)]
-        firsts = [f for _, fs, _ in tries for f in fs]
+        firsts = [f for _, fs, _, _ in tries for f in fs]
+        # As a prefill point: the cached tokens the engine reported, not those meant.
+        hit = int(statistics.median(k for _, _, _, ks in tries for k in ks))
+        point = replace(point, prefill_tokens=new + cached - hit, cached_tokens=hit)
         busy = replace(
             point,
             kind="busy",
             seconds=statistics.fmean(firsts),
             samples=len(firsts),
-            joins=tuple(j for _, _, js in tries for j in js),
+            joins=tuple(j for _, _, js, _ in tries for j in js),
         )
-        return [t for t, _, _ in tries], busy
-    return [await c.mixed(batch, context, new, out) for _ in range(repeats)], None
+        return [t for t, _, _, _ in tries], point, busy
+    return [await c.mixed(batch, context, new, out) for _ in range(repeats)], point, None
 
 
 async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) -> list[Point]:
@@ -640,7 +648,7 @@ async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) 
     tokens = first_tokens(point, grid)
     for growth in range(GROWTHS + 1):
         try:
-            tries, busy = await _decoding(c, point, grid.repeats, tokens)
+            tries, measured, busy = await _decoding(c, point, grid.repeats, tokens)
             break
         except PointError as exc:
             more = max(2 * tokens, exc.tokens_needed or 0)
@@ -655,7 +663,7 @@ async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) 
             await c.reset()
     # The decoders read their prompt and, on average, half of what they generate.
     context = point.context + tokens / 2
-    out = [replace(point, seconds=statistics.median(tries), context=context, samples=len(tries))]
+    out = [replace(measured, seconds=statistics.median(tries), context=context, samples=len(tries))]
     if busy is not None:
         out.append(replace(busy, context=context))
     return out
