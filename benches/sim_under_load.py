@@ -6,7 +6,9 @@ the same arrivals simulated on a profile of the same engines, with the profile's
     .venv/bin/python benches/sim_under_load.py --url http://127.0.0.1:8101 \\
         --url http://127.0.0.1:8102 [--profile profile.json] [--rates 8,16,24] [--seeds 3]
 
-Without ``--profile`` the engines are calibrated first (``--grid``, default short). Prints,
+Without ``--profile`` the engines are calibrated first (``--grid``, default short); with
+``--recalibrate``, again before each rate, so that each rate is simulated on a profile
+measured a minute before its replays (the machine's speed drifts over minutes). Prints,
 per rate and source, TTFT p50/p90/p99 and TPOT p50/p90 (ms) over the seeds' requests
 together, and each simulated figure's error against the engines'; ``--json`` writes them. Results in
 ``docs/report.md`` ("A later start at a busy engine"). Minutes: one replay per rate and
@@ -51,14 +53,16 @@ def main() -> int:
     parser.add_argument("--rates", default="8,16,24")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--think-scale", type=float, default=0.01)
+    parser.add_argument("--recalibrate", action="store_true", help="before each rate")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.profile is None:
+
+    def measured() -> dict[str, float]:
         path = Path(tempfile.mkdtemp()) / "profile.json"
-        doc = calibrate(args.url, grid=args.grid, held_out=None)
-        path.write_text(json.dumps(doc))
-        args.profile = path
-    engine = load_profile(args.profile)
+        path.write_text(json.dumps(calibrate(args.url, grid=args.grid, held_out=None)))
+        return load_profile(path)
+
+    engine = measured() if args.profile is None else load_profile(args.profile)
     trace = annotate_ttp(pq.read_table(TRACE))
     cfg = SrrConfig(
         urls=tuple(args.url), policies=(POLICY,), slo_ttft_p90=1.0, slo_tpot_p90=1.0,
@@ -68,15 +72,19 @@ def main() -> int:
     # The policy's parameters as the proxy sets them (as `kvroute bench srr` simulates it).
     given = ProxyConfig(policy=POLICY).policy_options()
     options = {k: float(v) for k, v in given.items() if POLICY in sim.PARAM_POLICIES.get(k, ())}
-    variants = {
-        "simulated": engine,
-        "simulated, busy_handling_s=0": {**engine, "busy_handling_s": 0.0},
-    }
     rows: list[dict[str, Any]] = []
-    print(f"profile: busy_handling_s {1e3 * engine.get('busy_handling_s', 0.0):.1f} ms")
+    profiles: list[dict[str, float]] = []
     print("| sessions/s | source | TTFT p50 | p90 | p99 | TPOT p50 | p90 |")
     print("|---:|---|---:|---:|---:|---:|---:|")
-    for rate in (float(r) for r in args.rates.split(",")):
+    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+        if args.recalibrate and i > 0:
+            engine = measured()
+        profiles.append(engine)
+        print(f"profile: busy_handling_s {1e3 * engine.get('busy_handling_s', 0.0):.1f} ms")
+        variants = {
+            "simulated": engine,
+            "simulated, busy_handling_s=0": {**engine, "busy_handling_s": 0.0},
+        }
         seeds = [cfg.seed + k for k in range(args.seeds)]
         real = figures([probe(POLICY, rate, s) for s in seeds])
         rows.append({"rate": rate, "source": "real", **real})
@@ -94,7 +102,7 @@ def main() -> int:
             ]
             print(f"| {rate:g} | {row['source']} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"profile": engine, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"profiles": profiles, "rows": rows}, indent=1))
     return 0
 
 
