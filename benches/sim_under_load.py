@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import kvroute
 from kvroute import sim
 from kvroute.metrics import summarize
 from kvroute.proxy.config import ProxyConfig
@@ -56,6 +57,8 @@ def main() -> int:
     parser.add_argument("--recalibrate", action="store_true", help="before each rate")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if kvroute.BUILD_PROFILE != "release":
+        parser.error(f"kvroute is a {kvroute.BUILD_PROFILE} build: run `make build-release`")
 
     def measured() -> dict[str, float]:
         path = Path(tempfile.mkdtemp()) / "profile.json"

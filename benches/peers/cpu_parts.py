@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=run.LOADS["heavy"])
     args = parser.parse_args(argv)
+    routers.require_release()
     arm = routers.arms([args.arm])[0]
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-cpu-parts-"))
     peers_bin = None if arm.kind == "kvroute" else routers.peers_venv()

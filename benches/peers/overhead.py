@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    routers.require_release()
     arms = routers.arms([a for a in args.arms.split(",") if a])
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-overhead-"))
     peers_bin = routers.peers_venv()

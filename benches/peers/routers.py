@@ -205,6 +205,18 @@ for _name in (
         ARMS[_xn.name] = _xn
 
 
+def require_release() -> None:
+    """Exit unless kvroute's native extension is a release build: a benchmark measures what
+    users run (the dev build is optimised less and checks more)."""
+    import kvroute
+
+    if kvroute.BUILD_PROFILE != "release":
+        sys.exit(
+            f"kvroute's native extension is a {kvroute.BUILD_PROFILE} build: "
+            "run `make build-release` before measuring"
+        )
+
+
 def peers_venv(log: Callable[[str], None] = print) -> Path:
     """The cached virtual environment with SMG and vllm-router (installed on first use, about
     a minute); its ``bin`` folder."""

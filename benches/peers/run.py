@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    routers.require_release()
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-peers-"))
     started = time.time()

@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    routers.require_release()
     log_dir = Path(tempfile.mkdtemp(prefix="kvroute-slowed-"))
     runs = []
     with engines.Engines(48 << 20, log_dir / "vllm") as eng:
