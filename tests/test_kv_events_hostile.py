@@ -142,12 +142,13 @@ def test_a_foreign_rank_is_refused_and_the_source_goes_on(ctx: zmq.Context[Any])
 
 
 def test_a_trickling_replay_does_not_hold_up_other_engines(ctx: zmq.Context[Any]) -> None:
-    """Engine 0's replay socket sends a batch every 0.3 s and never its end marker: engine 1's
+    """Engine 0's replay socket sends a batch every 0.3 s (not the first one missing) and
+    never its end marker: engine 1's
     live batches are applied all the while; engine 0's replay is cut at its deadline, its
     view degraded, and its live batches that waited are applied after."""
 
     def trickle(start: int) -> Iterator[Any]:
-        seq = start
+        seq = start + 1  # never the first one missing: what it brings fills nothing
         while True:
             time.sleep(0.3)
             yield b"", seq.to_bytes(8, "big", signed=True), batch([])  # topic, seq, batch
@@ -173,6 +174,47 @@ def test_a_trickling_replay_does_not_hold_up_other_engines(ctx: zmq.Context[Any]
     finally:
         slow.close()
         fine.close()
+
+
+def test_a_replay_that_breaks_off_is_asked_again_from_what_it_lacks(
+    ctx: zmq.Context[Any],
+) -> None:
+    """A replay socket that drops batches past a high-water mark, as vLLM's ROUTER does when
+    it sends its whole buffer at once: the batches before the first dropped one are applied
+    and the rest asked again, until the view is whole. One that brings nothing more after
+    that fails, and the rank degrades."""
+    asked: list[int] = []
+
+    def dropping(start: int) -> Iterator[Any]:
+        asked.append(start)
+        for seq in range(start, stop):
+            if (len(asked) == 1 and seq in (first + 3, first + 4)) or seq >= limit:
+                continue  # dropped
+            yield b"", seq.to_bytes(8, "big", signed=True), batch([stored([seq], None, 0)])
+        yield b"", (-1).to_bytes(8, "big", signed=True), b""
+
+    e = Engine(ctx, dropping)
+    r = router(1)
+    try:
+        with subscribed(r, [e]) as sub:
+            first = rank_of(r, 0)["last_seq"] + 1
+            stop, limit = first + 10, first + 10
+            e.send(stop, batch([]))  # batches first..first+9 are missing: a replay
+            until(lambda: rank_of(r, 0)["last_seq"] == stop)
+            assert asked == [first, first + 3]
+            rank = rank_of(r, 0)
+            assert (rank["state"], rank["replayed_batches"]) == ("complete", 10)
+            assert (sub.stats()[(0, 0)].replays, sub.stats()[(0, 0)].replay_failures) == (2, 0)
+            # Now a replay that stops bringing anything: one resume, then degraded.
+            asked.clear()
+            first = stop + 1
+            stop, limit = first + 10, first + 5
+            e.send(stop, batch([]))
+            until(lambda: rank_of(r, 0)["state"] == "degraded")
+            assert asked == [first, first + 3, first + 5]
+            assert f"has no batch {first + 5}" in rank_of(r, 0)["reason"]
+    finally:
+        e.close()
 
 
 def test_messages_over_the_size_limit_are_not_taken(ctx: zmq.Context[Any]) -> None:

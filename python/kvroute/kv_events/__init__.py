@@ -9,8 +9,12 @@ rank is refused and counted). When a batch's sequence number skips ahead, the mi
 batches are asked from the replay socket (a DEALER sends the first missing number, the
 ROUTER sends back every buffered batch from it and an end marker with sequence -1) on a
 thread of their own, within :data:`REPLAY_DEADLINE_S`; meanwhile that rank's live batches
-wait (at most :data:`MAX_WAITING_BYTES`) and every other rank's are applied. When the
-missing batches cannot be had (no replay socket, the replay starts too late, times out, or
+wait (at most :data:`MAX_WAITING_BYTES`) and every other rank's are applied. The batches a
+replay brought are applied in order up to the first one it lacks; a replay that ended (or
+went quiet) without all of them, after bringing some, is asked again from the first one
+missing, up to :data:`MAX_REPLAY_RESUMES` times (vLLM's ROUTER sends its whole buffer at
+once and drops what the subscriber has no room for yet). When the missing batches cannot be
+had (no replay socket, the replay starts too late, times out, or
 too much waits), the rank's view is marked degraded (:meth:`~kvroute.Router.kv_resync`) and
 the router routes that instance on its estimate until the view is whole again
 (``docs/kv-events.md``). A batch that cannot be decoded is a gap of one batch. Nothing is
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 from kvroute.kv_events.replay import (
     END_OF_REPLAY,
+    MAX_REPLAY_RESUMES,
     MAX_WAITING_BYTES,
     REPLAY_DEADLINE_S,
     REPLAY_TIMEOUT_S,
@@ -52,6 +57,7 @@ __all__ = [
     "END_OF_REPLAY",
     "LOG_INTERVAL_S",
     "MAX_MESSAGE_BYTES",
+    "MAX_REPLAY_RESUMES",
     "MAX_WAITING_BYTES",
     "RECEIVE_QUEUE",
     "REPLAY_DEADLINE_S",

@@ -23,6 +23,9 @@ REPLAY_TIMEOUT_S = 2.0
 REPLAY_DEADLINE_S = 10.0
 #: Bytes of one rank's live batches kept while its replay runs, and of a replay's batches.
 MAX_WAITING_BYTES = 64 << 20
+#: Times a replay that broke off after some batches is asked again from where it broke (a
+#: ROUTER drops what its peer has no room for: vLLM's sends its whole buffer at once).
+MAX_REPLAY_RESUMES = 16
 
 
 @dataclass
@@ -37,6 +40,11 @@ class Replay:
     #: Set by the replay's thread: the batches it got, and why it failed (None: it did not).
     batches: list[tuple[int, bytes]] = field(default_factory=list)
     failure: str | None = None
+    #: Whether it failed by going quiet (a ROUTER past its high-water mark may drop the end
+    #: marker too), where asking again from what is missing may help.
+    went_quiet: bool = False
+    #: How many replays before this one asked for the same gap and broke off.
+    resumed: int = 0
 
 
 def ask_replay(
@@ -69,6 +77,7 @@ def ask_replay(
                 if now > deadline:
                     return f"not done in {deadline_s} s"
                 if now > quiet_until:
+                    replay.went_quiet = True
                     return f"no answer from {source.replay} in {timeout_s} s"
             if time.monotonic() > deadline:
                 return f"not done in {deadline_s} s"

@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 import kvroute
 from kvroute.errors import InvalidArgumentError, KvrouteError
 from kvroute.kv_events.replay import (
+    MAX_REPLAY_RESUMES,
     MAX_WAITING_BYTES,
     REPLAY_DEADLINE_S,
     REPLAY_TIMEOUT_S,
@@ -301,10 +302,14 @@ class Subscriber:
             self._resync(sub, f"{missing} were missed and the engine has no replay socket")
             self._apply(sub, seq, payload, replayed=False)
             return
+        self._ask(sub, Replay(expected, seq, [(seq, payload)], len(payload)))
+
+    def _ask(self, sub: _Sub, replay: Replay) -> None:
+        """Ask for ``replay``'s batches on a thread of its own; the rank's live batches wait."""
         sub.stats.replays += 1
-        sub.replay = Replay(expected, seq, [(seq, payload)], len(payload))
+        sub.replay = replay
         thread = threading.Thread(
-            target=self._fetch, args=(sub, sub.replay), name="kvroute-kv-replay", daemon=True
+            target=self._fetch, args=(sub, replay), name="kvroute-kv-replay", daemon=True
         )
         self._replay_threads = [t for t in self._replay_threads if t.is_alive()] + [thread]
         thread.start()
@@ -319,21 +324,31 @@ class Subscriber:
             if sub.replay is not replay:
                 continue  # given up on already
             sub.replay = None
-            failure = replay.failure or self._apply_replayed(sub, replay)
-            if failure is not None:
-                self._replay_failed(sub, replay, failure)
+            missing, failure = self._apply_replayed(sub, replay)
+            if missing < replay.stop:
+                ended = replay.failure is None or replay.went_quiet
+                if ended and missing > replay.start and replay.resumed < MAX_REPLAY_RESUMES:
+                    # It broke off after some batches: ask again from the first one missing.
+                    again = Replay(missing, replay.stop, replay.waiting, replay.waiting_bytes)
+                    again.resumed = replay.resumed + 1
+                    self._ask(sub, again)
+                    continue
+                self._replay_failed(sub, replay, replay.failure or failure)
             for seq, payload in replay.waiting:
                 self._live(sub, seq, payload)
 
-    def _apply_replayed(self, sub: _Sub, replay: Replay) -> str | None:
-        """Apply a replay's batches; why they do not fill the gap, or None."""
+    def _apply_replayed(self, sub: _Sub, replay: Replay) -> tuple[int, str]:
+        """Apply a replay's batches in order up to the first one missing (even from a replay
+        that failed: what came is applied); that batch (``replay.stop``: none), and why."""
+        missing = replay.start
         for seq, payload in replay.batches:
+            if seq != missing:
+                return missing, f"the replay has batch {seq} after {missing - 1}, not {missing}"
             got = self._apply(sub, seq, payload, replayed=True)
             if got is not None and got["outcome"] == "gap":
-                return f"the replay begins at batch {replay.batches[0][0]}, after {got['expected']}"
-        if not replay.batches or replay.batches[0][0] != replay.start:
-            return f"the replay has no batch {replay.start}"
-        return None
+                return missing, f"batch {seq} of the replay is not the one expected"
+            missing += 1  # applied, or undecodable (a gap of its own, already handled)
+        return missing, f"the replay has no batch {missing}"
 
     def _replay_failed(self, sub: _Sub, replay: Replay, failure: str) -> None:
         sub.stats.replay_failures += 1
