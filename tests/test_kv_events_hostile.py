@@ -143,9 +143,9 @@ def test_a_foreign_rank_is_refused_and_the_source_goes_on(ctx: zmq.Context[Any])
 
 def test_a_trickling_replay_does_not_hold_up_other_engines(ctx: zmq.Context[Any]) -> None:
     """Engine 0's replay socket sends a batch every 0.3 s (not the first one missing) and
-    never its end marker: engine 1's
-    live batches are applied all the while; engine 0's replay is cut at its deadline, its
-    view degraded, and its live batches that waited are applied after."""
+    never its end marker: engine 1's live batches are applied all the while; engine 0's
+    replay is cut at its deadline, its view degraded, and its live batches that waited are
+    applied after."""
 
     def trickle(start: int) -> Iterator[Any]:
         seq = start + 1  # never the first one missing: what it brings fills nothing

@@ -600,6 +600,15 @@ def first_tokens(point: Point, grid: Grid) -> int:
     return grid.decode_tokens * (ARRIVALS if point.kind == "arrival" else 1)
 
 
+def _as_reported(point: Point, cached: Sequence[int]) -> Point:
+    """``point`` with the cached tokens the engine reported for its requests (the median),
+    not those it meant: a prefix evicted before its request came counts as new tokens."""
+    hit = int(statistics.median(cached))
+    return replace(
+        point, prefill_tokens=point.prefill_tokens + point.cached_tokens - hit, cached_tokens=hit
+    )
+
+
 async def _decoding(
     c: _Client, point: Point, repeats: int, tokens: int
 ) -> tuple[list[float], Point, Point | None]:
@@ -614,9 +623,7 @@ async def _decoding(
     if point.kind == "arrival":
         tries = [await c.arrival(batch, context, new, cached, out) for _ in range(repeats)]
         firsts = [f for _, fs, _, _ in tries for f in fs]
-        # As a prefill point: the cached tokens the engine reported, not those meant.
-        hit = int(statistics.median(k for _, _, _, ks in tries for k in ks))
-        point = replace(point, prefill_tokens=new + cached - hit, cached_tokens=hit)
+        point = _as_reported(point, [k for _, _, _, ks in tries for k in ks])
         busy = replace(
             point,
             kind="busy",
@@ -638,13 +645,8 @@ async def _measure_one(c: _Client, point: Point, grid: Grid, max_num_seqs: int) 
             await c.prefill(point.prefill_tokens, point.cached_tokens) for _ in range(grid.repeats)
         ]
         seconds = statistics.median(t for t, _ in warm)
-        cached = int(statistics.median(k for _, k in warm))
-        new = point.prefill_tokens + point.cached_tokens - cached
-        return [
-            replace(
-                point, seconds=seconds, prefill_tokens=new, cached_tokens=cached, samples=len(warm)
-            )
-        ]
+        measured = _as_reported(point, [k for _, k in warm])
+        return [replace(measured, seconds=seconds, samples=len(warm))]
     tokens = first_tokens(point, grid)
     for growth in range(GROWTHS + 1):
         try:
