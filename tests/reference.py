@@ -88,6 +88,21 @@ class Instance:
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
 
+#: The engine parameters ``ttft`` predicts with (``Router.ttft_costs``).
+TTFT_TERMS = (
+    "step_overhead_s",
+    "prefill_s_per_token",
+    "prefill_s_per_pair",
+    "decode_s_per_seq",
+    "decode_s_per_ctx_token",
+    "admit_s_per_token",
+    "admit_s_per_request",
+    "request_overhead_s",
+    "busy_handling_s",
+    "max_num_batched_tokens",
+)
+
+
 @dataclass
 class InFlight:
     instance: int
@@ -129,6 +144,7 @@ class ReferenceRouter:
         load_source: str = "router",
         engine_profile: dict[str, float] | None = None,
         ttft_slo_s: float = 0.0,
+        delay_weight: float = 0.0,
     ) -> None:
         if num_instances < 0:
             raise InvalidArgumentError(f"num_instances must be >= 0, got {num_instances}")
@@ -155,6 +171,7 @@ class ReferenceRouter:
             ("queued_weight", queued_weight),
             ("temperature", temperature),
             ("ttft_slo_s", ttft_slo_s),
+            ("delay_weight", delay_weight),
         ]:
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0")
@@ -171,8 +188,9 @@ class ReferenceRouter:
         self.queued_weight = queued_weight
         self.temperature = temperature
         # `ttft` predicts with the h20 preset's step costs under the profile's parameters.
-        self.ttft_costs = engine_params("h20-qwen3-coder-30b-a3b", **(engine_profile or {}))
+        self.step_costs = engine_params("h20-qwen3-coder-30b-a3b", **(engine_profile or {}))
         self.ttft_slo_s = ttft_slo_s
+        self.delay_weight = delay_weight
         self.instances = [Instance() for _ in range(num_instances)]
         self.requests: dict[Any, InFlight] = {}
         self.affinity: OrderedDict[Any, int] = OrderedDict()  # least recently routed first
@@ -558,6 +576,14 @@ class ReferenceRouter:
         self.rr += 1
         return winner, "tie_break"
 
+    def set_ttft_costs(self, costs: dict[str, float]) -> None:
+        """Predict with these step costs (over the H20 preset's) from now on."""
+        self.step_costs = engine_params("h20-qwen3-coder-30b-a3b", **costs)
+
+    def ttft_costs(self) -> dict[str, float]:
+        """The step costs ``ttft`` predicts with, by name."""
+        return {k: self.step_costs[k] for k in TTFT_TERMS}
+
     def predicted_ttft(self, i: int, new_prefill: int, n: int) -> float:
         """Seconds until this request's first token on instance i (SEMANTICS §3 ``ttft``):
         ``steps * per_step + prefill_s_per_token * work + prefill_s_per_pair * new * (hit +
@@ -566,7 +592,7 @@ class ReferenceRouter:
         where work is the instance's pending prefill plus this request's, steps = ceil(work /
         batch) (>= 1), and per_step the step overhead plus the decode terms of its running
         requests."""
-        c, inst = self.ttft_costs, self.instances[i]
+        c, inst = self.step_costs, self.instances[i]
         work = min(inst.pending_prefill_tokens + new_prefill, U64_MAX)
         steps = max(1, -(-work // int(c["max_num_batched_tokens"])))
         per_step = (
@@ -587,8 +613,11 @@ class ReferenceRouter:
 
     def _ttft(self, avail: list[int], keys: list[int], n: int) -> tuple[int, str]:
         """The least predicted time, LPWL's tie-breaks (new_prefill, num_requests, then
-        round robin). With ``ttft_slo_s`` > 0, first: among the instances predicted within
-        it, the least new_prefill, then the least predicted time, the same tie-breaks."""
+        round robin), the time plus ``delay_weight`` times the delay the request's prefill
+        adds to the requests running there (``prefill_s_per_token * new_prefill *
+        num_requests``). With ``ttft_slo_s`` > 0, first: among the instances predicted
+        within it, the least new_prefill, then the least predicted time, the same
+        tie-breaks."""
 
         def key(i: int) -> tuple[float, int, int]:
             new = self.new_prefill(i, keys, n)
@@ -599,7 +628,13 @@ class ReferenceRouter:
             if within:
                 chosen, _ = self._min_round_robin(within, lambda i: (key(i)[1], *key(i)))
                 return chosen, "within_slo"
-        return self._min_round_robin(avail, key)
+
+        def cost(i: int) -> tuple[float, int, int]:
+            t, new, running = key(i)
+            delay = self.step_costs["prefill_s_per_token"] * float(new) * running
+            return (t + self.delay_weight * delay, new, running)
+
+        return self._min_round_robin(avail, cost)
 
     def _power_of_two(self, avail: list[int]) -> int:
         """Two distinct seeded samples; the one with fewer requests, the first on a tie."""

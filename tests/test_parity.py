@@ -74,6 +74,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
             "max_num_batched_tokens": draw(st.sampled_from([2048, 1, 4, 16])),
         }
         kw["ttft_slo_s"] = draw(st.sampled_from([0.0, 0.0, 0.02, 0.5, 2.0, 100.0]))
+        kw["delay_weight"] = draw(st.sampled_from([0.0, 1.0, 0.5, 4.0]))
     return num_instances, kw
 
 
@@ -341,6 +342,9 @@ def test_reference_has_the_router_api() -> None:
         "clear_engine_load",
         "set_overload_rule",
         "has_room",
+        # ttft's costs refitted while routing (tests/test_ttft.py).
+        "set_ttft_costs",
+        "ttft_costs",
     }
     ref = ReferenceRouter(2, "lmetric", block_size=16)
     # The events view has its own reference (tests/reference_kv.py, tests/test_kv_index.py).

@@ -9,14 +9,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvroute
 from kvroute import sim
 from kvroute.errors import InvalidArgumentError
 from kvroute.proxy import ProxyConfig
+from kvroute.proxy.ttft_fit import BUDGETS, MIN_SAMPLES, PRIOR, fit_costs, terms
+from kvroute.proxy.ttft_fit import COSTS as FIT_COSTS
 from kvroute.sim.profile import FORMAT, VERSION
-from livekit import http, small_trace, spawn
+from livekit import Stack, http, small_trace, spawn
+from reference import ReferenceRouter
 
 #: Step costs that make the arithmetic easy: 10 ms a step, 1 ms a prefill token, 1 ms per
 #: running request per step, 64 tokens a step.
@@ -101,9 +107,82 @@ def test_bad_costs_and_targets_are_named() -> None:
         kvroute.Router(2, "ttft", engine_profile={"step": 1.0})
 
 
-def test_the_proxy_needs_a_profile_for_ttft() -> None:
-    with pytest.raises(InvalidArgumentError, match="engine profile"):
-        ProxyConfig(backends=["http://127.0.0.1:9"], policy="ttft")
+def test_without_a_profile_the_proxy_fits_the_costs_to_the_first_tokens() -> None:
+    with Stack(2, proxy={"policy": "ttft"}) as stack:
+        fitter = stack.proxy.ttft_costs
+        assert fitter is not None and stack.proxy.router.ttft_costs() == PRIOR
+        n = MIN_SAMPLES + 12
+        for i in range(n):
+            prompt = list(range(1000 * i, 1000 * i + 64 * (1 + i % 8)))
+            body = {"prompt": prompt, "max_tokens": 2, "stream": i % 7 != 0}
+            status, _, _ = http("POST", stack.url + "/v1/completions", body)
+            assert status == 200
+        assert stack.st.run(fitter.refit)
+        # One sample per streamed request (the non-streamed ones have no first token).
+        assert len(fitter.samples) == sum(i % 7 != 0 for i in range(n)) >= MIN_SAMPLES
+        costs = stack.proxy.router.ttft_costs()
+        assert costs is not None and costs != PRIOR
+        assert 0 <= costs["prefill_s_per_token"] < 1.0
+        assert costs["max_num_batched_tokens"] in BUDGETS
+        assert fitter.rms_s is not None and fitter.fits == 1
+        _, _, metrics = http("GET", stack.url + "/metrics")
+        text = metrics.decode()
+        assert "kvroute_proxy_ttft_fits_total 1.0" in text
+        want = costs["prefill_s_per_token"]
+        assert f'kvroute_proxy_ttft_cost{{term="prefill_s_per_token"}} {want!r}' in text
+        assert not stack.st.run(fitter.refit)  # nothing new came
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    costs=st.fixed_dictionaries(
+        {k: st.floats(1e-6 if k == "step_overhead_s" else 0.0, 0.01) for k in FIT_COSTS}
+    ),
+    budget=st.sampled_from(BUDGETS),
+    loads=st.lists(
+        st.tuples(*(st.integers(0, 50_000) for _ in range(3)), st.integers(1, 9000)),
+        min_size=1,
+        max_size=20,
+    ),
+)
+def test_the_fitted_terms_are_the_rules_prediction(
+    costs: dict[str, float], budget: int, loads: list[tuple[int, int, int, int]]
+) -> None:
+    """What the fit multiplies the costs by gives the reference's ``predicted_ttft``."""
+    profile = {**costs, "admit_s_per_request": 0.0, "max_num_batched_tokens": budget}
+    ref = ReferenceRouter(1, "ttft", engine_profile=profile)
+    samples = []
+    for pending, running, decode_ctx, length in loads:
+        inst = ref.instances[0]
+        inst.pending_prefill_tokens, inst.num_requests = pending, running % 40
+        inst.ongoing_decode_tokens = decode_ctx
+        new = length // 3
+        samples.append((pending, running % 40, decode_ctx, new, length, 0.0))
+        want = ref.predicted_ttft(0, new, length)
+        got = terms(np.array([samples[-1]], dtype=float), budget)[0] @ [costs[k] for k in FIT_COSTS]
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_the_fit_finds_costs_that_reproduce_the_times() -> None:
+    rng = np.random.default_rng(7)
+    true = np.array([0.008, 7e-4, 2e-7, 2.7e-5, 3e-8, 1.7e-6, 0.007, 0.012])
+    n = 400
+    length = rng.integers(100, 8000, n)
+    cols = (
+        rng.integers(0, 6000, n),
+        rng.integers(0, 20, n),
+        rng.integers(0, 50_000, n),
+        (length * rng.random(n)).astype(int),
+        length,
+        np.zeros(n),
+    )
+    samples = np.column_stack(cols).astype(float)
+    samples[:, 5] = terms(samples, 2048) @ true
+    costs, rms = fit_costs(samples)
+    assert rms < 1e-9 and costs["max_num_batched_tokens"] == 2048
+    assert [costs[k] for k in FIT_COSTS] == pytest.approx(list(true), rel=1e-6)
+    with pytest.raises(ValueError, match="no first tokens"):
+        fit_costs([])
 
 
 def profile(path: Path) -> Path:
@@ -150,3 +229,30 @@ def test_simulator_runs_ttft_with_the_engines_own_costs(tmp_path: Path) -> None:
         assert len(res.records) == trace.num_rows
     with pytest.raises(InvalidArgumentError, match="ttft_slo_s"):
         sim.simulate(trace, instances=2, policy="ttft", ttft_slo_s=-1.0)
+
+
+@pytest.mark.parametrize("delay_weight, instance", [(0.0, 0), (1.0, 1)])
+def test_the_delay_to_the_running_requests_can_send_a_prefix_elsewhere(
+    delay_weight: float, instance: int
+) -> None:
+    """The prefix is cached on 0, where 10 requests decode: 14 ms to its first token there
+    (one 10 ms step, 4 tokens), 46 ms on 1 (36 tokens); its 4 ms of prefill on 0 delay each
+    of the 10, 40 ms in all. Costs set while routing (from ``PRIOR``) are the ones used."""
+    kw: dict[str, Any] = {"block_size": 4, "engine_profile": PRIOR, "delay_weight": delay_weight}
+    rust, ref = kvroute.Router(2, "ttft", **kw), ReferenceRouter(2, "ttft", **kw)
+    costs = {**COSTS, "decode_s_per_seq": 0.0}
+    for r in (rust, ref):
+        r.set_available(1, False)
+        r.route("warm", PREFIX, 32)
+        r.finish("warm")
+        for j in range(10):
+            r.route(f"busy{j}", [50 + j], 4)
+            r.first_token(f"busy{j}")
+        r.set_available(1, True)
+        r.set_ttft_costs(costs)
+    assert rust.ttft_costs() == pytest.approx(ref.ttft_costs()) == {**PRIOR, **costs}
+    got = rust.route_info("q", [*PREFIX, 9], 36)
+    assert got == ref.route_info("q", [*PREFIX, 9], 36)
+    assert got["instance"] == instance
+    with pytest.raises(InvalidArgumentError, match="prefill_s_per_token"):
+        rust.set_ttft_costs({"prefill_s_per_token": -1.0})

@@ -181,6 +181,13 @@ ARMS: dict[str, Arm] = {
         # Least predicted time to first token at the engines' calibrated costs; with a target
         # (seconds), the most cache reuse among the engines predicted to meet it.
         Arm("kvroute-ttft", "kvroute", _kvroute_ttft(), needs_profile=True),
+        # The same without a profile: the costs fitted to the proxy's own first tokens.
+        Arm("kvroute-ttft-online", "kvroute", _kvroute("--policy", "ttft")),
+        Arm(
+            "kvroute-ttft-online-slo0.25",
+            "kvroute",
+            _kvroute("--policy", "ttft", "--ttft-slo", "0.25"),
+        ),
         *(
             Arm(
                 f"kvroute-ttft-slo{t}",

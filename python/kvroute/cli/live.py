@@ -7,6 +7,7 @@ see ``docs/proxy.md`` and ``docs/replay.md``.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -120,7 +121,8 @@ def admission_options(f: F) -> F:
     "--engine-profile",
     default=None,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Engine profile from kvroute calibrate: the step costs --policy ttft predicts with.",
+    help="Engine profile from kvroute calibrate: the step costs --policy ttft predicts with "
+    "(without one, the proxy fits them to the first tokens it relays).",
 )
 @click.option(
     "--ttft-slo",
@@ -299,6 +301,7 @@ def proxy(**kw: Any) -> None:
             kv_events=kw["kv_events"],
             kv_event_sources=_sources(kw["kv_sources"]),
         )
+        _log_to_stderr("proxy")
         app = Proxy(config)
     except (KvrouteError, TypeError) as exc:
         raise BadInput(str(exc)) from exc
@@ -314,6 +317,15 @@ def proxy(**kw: Any) -> None:
         err=True,
     )
     _serve(app, kw, "proxy")
+
+
+def _log_to_stderr(what: str) -> None:
+    """Show the library's log from INFO up on stderr, as ``kvroute <what>: ...`` lines."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"kvroute {what}: %(message)s"))
+    logger = logging.getLogger("kvroute")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _sources(pairs: tuple[str, ...]) -> dict[str, list[str]]:

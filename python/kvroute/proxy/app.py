@@ -7,8 +7,9 @@ Unix socket, which serves the engines' own endpoints (:mod:`.engines`: ``/v1/mod
 ``/tokenize``, each backend's ``/health`` and ``/metrics``, ``POST /reset_prefix_cache``),
 ``GET /health`` (200 while a backend is up, else 503), ``GET /metrics`` (:mod:`.observe`)
 and the admin API (:mod:`.admin`) when there is a token. The aiohttp application also owns
-the health-check task, the decision-log flusher and the ``ClientSession`` of those side
-calls.
+the health-check task, the decision-log flusher, the refits of ``ttft``'s costs
+(:mod:`.ttft_fit`, policy ``ttft`` without an engine profile) and the ``ClientSession`` of
+those side calls.
 
 :class:`Proxy` holds the router, backends, metrics and relay of one proxy; build it
 anywhere, then ``url = await proxy.start(host, port)`` on the loop that will serve it, and
@@ -43,6 +44,7 @@ from kvroute.proxy.load import EngineLoads
 from kvroute.proxy.observe import proxy_registry
 from kvroute.proxy.relay import RelayHooks, listen
 from kvroute.proxy.serving import app_runner, http_url
+from kvroute.proxy.ttft_fit import MIN_SAMPLES, OnlineTtftCosts
 
 log = logging.getLogger("kvroute.proxy")
 #: Sessions whose affinity the proxy's router keeps by default (the most recently routed;
@@ -82,6 +84,15 @@ class Proxy:
         }
         bound = "cache_capacity_blocks" not in config.router_options
         self.caches = EngineCaches(self.pool, self.router, None, explicit, bound)
+        self.ttft_costs: OnlineTtftCosts | None = None
+        if config.fits_ttft_costs:
+            self.ttft_costs = OnlineTtftCosts(lambda: self._relay, self.router)
+            log.info(
+                "policy ttft without an engine profile: leastwork's rule until %d first "
+                "tokens have come, then costs fitted to them every %.0f s",
+                MIN_SAMPLES,
+                self.ttft_costs.interval_s,
+            )
         self.registry = proxy_registry(
             config.policy,
             self.router,
@@ -89,6 +100,7 @@ class Proxy:
             self._relay_stats,
             lambda: self.caches.subscriber,
             self.loads,
+            self.ttft_costs,
         )
         self.engines = EngineEndpoints(self.pool, self.router)
         self.keyer = Keyer(config.tokenizer, config.block_size, self.engines.remote_tokenize)
@@ -199,6 +211,8 @@ class Proxy:
         ]
         if self.config.decision_log:
             tasks.append(asyncio.create_task(self._flush_loop()))
+        if self.ttft_costs is not None:
+            tasks.append(asyncio.create_task(self.ttft_costs.loop()))
         try:
             yield
         finally:

@@ -40,6 +40,9 @@ DEFAULT_POLICY = "unified_dynamo"
 POLICY_OPTIONS: dict[str, dict[str, Any]] = {
     "dynamo_cost": {"overlap_weight": 8.0},
     "unified_dynamo": {"overlap_weight": 8.0},
+    # `ttft` counts the delay a request's prefill adds to the requests running where it goes,
+    # so a prompt is prefilled again elsewhere only when that is quicker for all of them.
+    "ttft": {"delay_weight": 1.0},
 }
 
 
@@ -119,11 +122,6 @@ class ProxyConfig:
             raise InvalidArgumentError(
                 f"unknown policy {self.policy!r}; known: {', '.join(kvroute.policies())}"
             )
-        if self.policy == "ttft" and "engine_profile" not in self.router_options:
-            raise InvalidArgumentError(
-                "policy ttft predicts seconds from the engines' step costs: give an engine "
-                "profile (kvroute proxy --engine-profile FILE; kvroute calibrate writes one)"
-            )
         names = ("max_body_bytes", "max_concurrency", "max_connections")
         for name in (*names, "unhealthy_after", "healthy_after"):
             if getattr(self, name) < 1:
@@ -174,6 +172,11 @@ class ProxyConfig:
     def policy_options(self) -> dict[str, Any]:
         """The router's keywords for this policy: ``POLICY_OPTIONS`` under ``router_options``."""
         return {**POLICY_OPTIONS.get(self.policy, {}), **self.router_options}
+
+    @property
+    def fits_ttft_costs(self) -> bool:
+        """Whether ``ttft``'s costs are fitted while serving (no engine profile given)."""
+        return self.policy == "ttft" and "engine_profile" not in self.router_options
 
     @property
     def block_size(self) -> int:

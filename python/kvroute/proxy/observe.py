@@ -24,7 +24,11 @@ Metrics (all ``kvroute_proxy_*``, ``backend`` = the backend URL without credenti
 * the engines' own load (:class:`~kvroute.proxy.load.EngineLoadCollector`): per ``{backend}``
   ``engine_running``, ``engine_waiting``, ``engine_kv_usage``, their throughput, the requests
   sent since the read and its age, the requests beyond the router's (``engine_outside``),
-  ``overloaded`` and ``engine_load_failures_total``.
+  ``overloaded`` and ``engine_load_failures_total``;
+* with policy ``ttft``: ``ttft_cost{term}``, the costs it predicts with (seconds; the term
+  ``max_num_batched_tokens`` in tokens), and without a profile their fit to the first tokens
+  (:mod:`~kvroute.proxy.ttft_fit`): ``ttft_fits_total``, ``ttft_fit_samples``,
+  ``ttft_fit_error_seconds``.
 
 The counters are the relay's (``kvroute._core.Relay.stats``), read at scrape time by
 :class:`RelayCollector`; the gauges are the router's. O(backends) per scrape; the collectors
@@ -33,6 +37,7 @@ are read on the event loop's thread.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,6 +52,7 @@ from prometheus_client.registry import Collector
 
 import kvroute
 from kvroute.proxy.load import EngineLoadCollector, EngineLoads
+from kvroute.proxy.ttft_fit import OnlineTtftCosts
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -82,6 +88,39 @@ class _RouterCollector(Collector):
             for key, fam in fams.items():
                 fam.add_metric([url], float(st[key]))  # type: ignore[literal-required]
         yield from fams.values()
+
+
+class _TtftCostsCollector(Collector):
+    """``ttft``'s costs and their fit, with ``--policy ttft`` (see the module doc)."""
+
+    def __init__(self, fitter: OnlineTtftCosts | None, router: kvroute.Router) -> None:
+        self._fitter, self._router = fitter, router
+
+    def collect(self) -> Iterable[Metric]:
+        costs = GaugeMetricFamily(
+            "kvroute_proxy_ttft_cost",
+            "The step costs policy ttft predicts with (seconds; the budget in tokens).",
+            labels=["term"],
+        )
+        for term, value in (self._router.ttft_costs() or {}).items():
+            costs.add_metric([term], float(value))
+        yield costs
+        f = self._fitter
+        if f is None:
+            return
+        yield CounterMetricFamily(
+            "kvroute_proxy_ttft_fits", "Fits of ttft's costs to first tokens.", value=f.fits
+        )
+        yield GaugeMetricFamily(
+            "kvroute_proxy_ttft_fit_samples",
+            "First tokens the costs are fitted to.",
+            value=len(f.samples),
+        )
+        yield GaugeMetricFamily(
+            "kvroute_proxy_ttft_fit_error_seconds",
+            "Root-mean-square error of the last fit (NaN before the first).",
+            value=math.nan if f.rms_s is None else f.rms_s,
+        )
 
 
 def _buckets(bounds: Iterable[float], counts: list[int]) -> list[tuple[str, float]]:
@@ -264,12 +303,16 @@ def proxy_registry(
     stats: Callable[[], dict[str, Any] | None],
     subscriber: Callable[[], Any] = lambda: None,
     loads: EngineLoads | None = None,
+    ttft: OnlineTtftCosts | None = None,
 ) -> CollectorRegistry:
     """The proxy's registry: the router's gauges, the relay's counters (``stats``: the
     relay's, None before it starts), the events view's (``subscriber``: the KV-event
-    subscriber, None before it starts) and the engines' own load (``loads``)."""
+    subscriber, None before it starts), the engines' own load (``loads``), and with policy
+    ``ttft`` its costs (``ttft``: their fit while serving, None with a profile)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_RouterCollector(router, urls))
+    if policy == "ttft":
+        registry.register(_TtftCostsCollector(ttft, router))
     registry.register(RelayCollector(policy, stats, urls))
     registry.register(KvEventsCollector(router, urls, subscriber))
     if loads is not None:

@@ -55,6 +55,7 @@ PARAM_POLICIES = {
     "queued_weight": ("dynamo_cost", "unified_dynamo"),
     "temperature": ("dynamo_cost", "unified_dynamo"),
     "ttft_slo_s": ("ttft",),
+    "delay_weight": ("ttft",),
     # Admission at the router (``docs/simulator.md``): every policy reads them.
     "max_in_flight": (*_core.policies(), "capped"),
     "queue_patience_s": (*_core.policies(), "capped"),

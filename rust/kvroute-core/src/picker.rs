@@ -219,7 +219,7 @@ pub(crate) fn pick(
         Policy::SglangCacheAware => sglang_cache_aware(p, input),
         Policy::DynamoCost => dynamo_cost(p, input, state),
         Policy::Ttft => match &p.ttft_costs {
-            Some(costs) => ttft(costs, p.ttft_slo_s, input, state),
+            Some(costs) => ttft(costs, p, input, state),
             // Router::new refuses `ttft` without costs.
             None => input.argmin_prefill(state, false),
         },
@@ -246,9 +246,16 @@ pub fn predicted_ttft(c: &TtftCosts, load: &InstanceLoad, new_prefill: u64, inpu
 }
 
 /// `ttft`: with a target, the most cache reuse (then the least predicted time) among the
-/// instances predicted to meet it; otherwise, or when none does, the least predicted time.
-fn ttft(c: &TtftCosts, slo_s: f64, input: &PickInput<'_>, state: &mut PickState) -> Option<(usize, Branch)> {
+/// instances predicted to meet it; otherwise, or when none does, the least predicted time
+/// plus `delay_weight` times the delay its prefill adds to the requests running there.
+fn ttft(
+    c: &TtftCosts,
+    p: &PolicyParams,
+    input: &PickInput<'_>,
+    state: &mut PickState,
+) -> Option<(usize, Branch)> {
     let predict = |l: &InstanceLoad, new_prefill: u64| predicted_ttft(c, l, new_prefill, input.input_length);
+    let slo_s = p.ttft_slo_s;
     if slo_s > 0.0 {
         let within = input.argmin_tied(state, |l, new_prefill| {
             let t = predict(l, new_prefill);
@@ -258,7 +265,10 @@ fn ttft(c: &TtftCosts, slo_s: f64, input: &PickInput<'_>, state: &mut PickState)
             return Some((i, Branch::WithinSlo));
         }
     }
-    input.argmin_tied(state, |l, new_prefill| Some(predict(l, new_prefill)))
+    input.argmin_tied(state, |l, new_prefill| {
+        let delay = c.prefill_s_per_token * new_prefill as f64 * l.num_requests as f64;
+        Some(predict(l, new_prefill) + p.delay_weight * delay)
+    })
 }
 
 /// `unified`'s affinity gate: warm enough and not overloaded.

@@ -121,6 +121,10 @@ pub struct PolicyParams {
     pub ttft_costs: Option<TtftCosts>,
     /// `ttft`: the time-to-first-token target in seconds; 0 = no target.
     pub ttft_slo_s: f64,
+    /// `ttft`: weight of the delay the request's prefill adds to the requests running on
+    /// an instance (its new tokens at `prefill_s_per_token`, once per such request); 0 leaves
+    /// it out.
+    pub delay_weight: f64,
 }
 
 /// The step-time terms `ttft` predicts with: an engine profile's (`kvroute calibrate`), or
@@ -151,7 +155,7 @@ pub struct TtftCosts {
 }
 
 impl TtftCosts {
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let terms = [
             ("step_overhead_s", self.step_overhead_s),
             ("prefill_s_per_token", self.prefill_s_per_token),
@@ -192,6 +196,7 @@ impl Default for PolicyParams {
             temperature: 0.0,
             ttft_costs: None,
             ttft_slo_s: 0.0,
+            delay_weight: 0.0,
         }
     }
 }
@@ -208,6 +213,7 @@ impl PolicyParams {
             ("queued_weight", self.queued_weight, 0.0),
             ("temperature", self.temperature, 0.0),
             ("ttft_slo_s", self.ttft_slo_s, 0.0),
+            ("delay_weight", self.delay_weight, 0.0),
         ];
         for (name, value, min) in checks {
             if !value.is_finite() || value < min {

@@ -387,6 +387,28 @@ impl PyRelay {
         Ok(out)
     }
 
+    /// The first tokens sampled since the last call, oldest first (the newest 4,096 are
+    /// kept): per streamed request answered on its first attempt, `(pending_prefill_tokens,
+    /// num_requests, ongoing_decode_tokens)` of its engine just before the decision, its
+    /// `new_prefill` and `input_length`, and the seconds from the decision to its first byte.
+    fn take_first_tokens(&self) -> Vec<(u64, u64, u64, u64, u64, f64)> {
+        let taken = self.stats.first_tokens.take();
+        taken
+            .into_iter()
+            .map(|s| {
+                let l = s.load;
+                (
+                    l.pending_prefill_tokens,
+                    l.num_requests,
+                    l.ongoing_decode_tokens,
+                    s.new_prefill,
+                    s.input_length,
+                    s.seconds,
+                )
+            })
+            .collect()
+    }
+
     /// Write out the decision log's buffer.
     fn flush_log(&self) {
         if let Some(r) = self.relay.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {

@@ -57,11 +57,12 @@ impl PyRouter {
         balance_rel = RealArg::of(1.1), overlap_weight = RealArg::of(1.0), queued_weight = RealArg::of(0.0),
         temperature = RealArg::of(0.0),
         cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map"),
-        load_source = TextArg::of("router"), engine_profile = None, ttft_slo_s = RealArg::of(0.0)),
+        load_source = TextArg::of("router"), engine_profile = None, ttft_slo_s = RealArg::of(0.0),
+        delay_weight = RealArg::of(0.0)),
         text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
         cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
         balance_abs=32, balance_rel=1.1, overlap_weight=1.0, queued_weight=0.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map', \
-        load_source='router', engine_profile=None, ttft_slo_s=0.0)")]
+        load_source='router', engine_profile=None, ttft_slo_s=0.0, delay_weight=0.0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -86,6 +87,7 @@ impl PyRouter {
         load_source: TextArg,
         engine_profile: Option<Bound<'_, PyDict>>,
         ttft_slo_s: RealArg,
+        delay_weight: RealArg,
     ) -> PyResult<Self> {
         let max_instances = MAX_INSTANCES as i128;
         let n: usize = num_instances.get(py, "num_instances", 0, max_instances)?;
@@ -108,6 +110,7 @@ impl PyRouter {
                 temperature: real(&temperature, "temperature")?,
                 ttft_costs: Some(build_params(py, TTFT_PRESET, engine_profile.as_ref())?.ttft_costs()),
                 ttft_slo_s: real(&ttft_slo_s, "ttft_slo_s")?,
+                delay_weight: real(&delay_weight, "delay_weight")?,
             },
             cache_view: CacheView::from_name(cache_view.get(py, "cache_view")?).map_err(|e| to_py(py, e))?,
             pending_ttl: Duration::from_secs_f64(pending_ttl_s.get(py, "pending_ttl_s", 0.0)?.min(1e9)),
@@ -232,6 +235,35 @@ impl PyRouter {
                 Ok(d)
             })
             .collect()
+    }
+
+    /// Predict `ttft`'s times with these step costs from now on (costs refitted while
+    /// serving): engine parameters by name, as in an engine profile's `params`.
+    fn set_ttft_costs(&self, py: Python<'_>, costs: Bound<'_, PyDict>) -> PyResult<()> {
+        let c = build_params(py, TTFT_PRESET, Some(&costs))?.ttft_costs();
+        self.lock().set_ttft_costs(c).map_err(|e| to_py(py, e))
+    }
+
+    /// The step costs `ttft` predicts with, by name.
+    fn ttft_costs<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(c) = self.lock().config().params.ttft_costs.clone() else { return Ok(None) };
+        let d = PyDict::new(py);
+        let terms = [
+            ("step_overhead_s", c.step_overhead_s),
+            ("prefill_s_per_token", c.prefill_s_per_token),
+            ("prefill_s_per_pair", c.prefill_s_per_pair),
+            ("decode_s_per_seq", c.decode_s_per_seq),
+            ("decode_s_per_ctx_token", c.decode_s_per_ctx_token),
+            ("admit_s_per_token", c.admit_s_per_token),
+            ("admit_s_per_request", c.admit_s_per_request),
+            ("request_overhead_s", c.request_overhead_s),
+            ("busy_handling_s", c.busy_handling_s),
+        ];
+        for (name, value) in terms {
+            d.set_item(name, value)?;
+        }
+        d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;
+        Ok(Some(d))
     }
 
     /// An instance's engine reports `running` and `waiting` requests and a KV-cache usage

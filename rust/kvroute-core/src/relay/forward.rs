@@ -7,7 +7,8 @@
 //! a 5xx answer before any byte reached the client is finished and retried on the next
 //! choice, the failed backends hidden from the router for that one decision; a stalled backend
 //! gives 504 without retry; a failure mid-stream ends the client's stream with an error event
-//! ([`super::stream`]). A connection that closes before a byte of answer (a kept-alive one the
+//! ([`super::stream`]). A first attempt's first streamed byte is a sample for fitting `ttft`'s
+//! costs ([`super::first_tokens`]). A connection that closes before a byte of answer (a kept-alive one the
 //! backend was closing) is replaced once by a new one before the attempt counts as failed.
 //!
 //! Per request: one hook call for the keys (on the blocking pool when the hooks say it may
@@ -25,6 +26,7 @@ use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Response, StatusCode};
 
 use super::admission::{Ticket, POLL};
+use super::first_tokens::FirstToken;
 use super::job::{output, At, Job};
 use super::log::{Record, Terms};
 use super::pool::{Failure, Upstream};
@@ -35,6 +37,7 @@ use super::stream::Relayed;
 use super::usage::usage;
 use super::{Keyed, Refusal, Shared};
 use crate::jobs::locked;
+use crate::picker::InstanceLoad;
 use crate::{Decision, Error, Id, Router};
 
 const RETRY_STATUS: [u16; 4] = [500, 502, 503, 504];
@@ -141,7 +144,7 @@ async fn run(job: &Job, req: &Request) -> Answer {
             },
             _ => route(&mut locked(&sh.router), sh, &job.rid, keyed, Target::Any(&tried)),
         };
-        let (decision, terms) = match routed {
+        let (decision, terms, before) = match routed {
             Ok(routed) => routed,
             Err(Error::NoInstanceAvailable) => {
                 return Answer::Whole(fail.map_or_else(
@@ -180,7 +183,8 @@ async fn run(job: &Job, req: &Request) -> Answer {
                 terms,
             });
         }
-        match attempt_on(job, req, &decision, at, queue_wait).await {
+        let sample = (attempt == 0).then_some(before);
+        match attempt_on(job, req, &decision, at, queue_wait, sample).await {
             Ok(answer) => return answer,
             Err((f, at)) => {
                 locked(&sh.router).finish(&job.rid);
@@ -246,7 +250,14 @@ async fn key(sh: &Arc<Shared>, req: &Request, chat: bool) -> Result<Keyed, Refus
 }
 
 /// What [`route`] gives.
-type Routed = crate::Result<(Decision, Option<Terms>)>;
+type Routed = crate::Result<(Decision, Option<Terms>, Before)>;
+
+/// The chosen engine's counters just before a decision, and when it was taken: a first
+/// token's sample ([`super::first_tokens`]).
+struct Before {
+    load: InstanceLoad,
+    at: Instant,
+}
 
 /// Route the first attempt: at once, or with admission once an engine has room and the
 /// request is the first waiting ([`super::admission`]), with the seconds it waited; the
@@ -331,12 +342,14 @@ enum Target<'a> {
 /// Route to `target`; the score terms before it when the decision log wants them.
 fn route(router: &mut Router, sh: &Shared, rid: &Id, k: &Keyed, target: Target<'_>) -> Routed {
     let terms = sh.log.as_ref().map(|_| Terms::read(router, &k.keys, k.input_length));
+    let mut loads = router.policy_loads_now();
     let (keys, n, session) = (&k.keys, k.input_length, k.session.as_ref());
     let decision = match target {
         Target::On(x) => router.route_on(x, rid.clone(), keys, n, session),
         Target::Any(tried) => router.route_excluding(tried, rid.clone(), keys, n, session),
-    };
-    Ok((decision?, terms))
+    }?;
+    let load = loads.get_mut(decision.instance).map(std::mem::take).unwrap_or_default();
+    Ok((decision, terms, Before { load, at: Instant::now() }))
 }
 
 /// Send the request to `at`'s backend: the connection and the answer's head.
@@ -365,6 +378,7 @@ async fn attempt_on(
     decision: &Decision,
     at: At,
     queue_wait: f64,
+    sample: Option<Before>,
 ) -> Result<Answer, (Fail, At)> {
     let sh = &*job.sh;
     let i = at.instance;
@@ -427,6 +441,12 @@ async fn attempt_on(
     };
     locked(&sh.router).first_token(&job.rid);
     at.bs.ttft.observe(job.t0.elapsed());
+    if let Some(b) = sample {
+        let n = job.keyed.input_length;
+        let new_prefill = n.saturating_sub(decision.hit_tokens);
+        let seconds = b.at.elapsed().as_secs_f64();
+        sh.stats.first_tokens.push(FirstToken { load: b.load, new_prefill, input_length: n, seconds });
+    }
     at.success(sh);
     Ok(Answer::Stream { head, up, upstream, first, at, model })
 }

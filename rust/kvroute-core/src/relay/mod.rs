@@ -17,7 +17,8 @@
 //! - `reply`: answer bodies and JSON error bodies.
 //! - [`output`]: what an answer generated (its token ids or text), for the router to record
 //!   the blocks the engine stored for it.
-//! - [`stats`]: counters and histograms for the metrics; `usage`: the usage an answer
+//! - [`stats`]: counters and histograms for the metrics, and [`first_tokens`], the samples
+//!   `ttft`'s costs are fitted from; `usage`: the usage an answer
 //!   reports; `log`: the JSONL decision log.
 //!
 //! One event-loop thread (a single-threaded tokio runtime) serves every connection: a
@@ -37,6 +38,7 @@
 pub mod admission;
 pub mod body;
 pub mod connect;
+pub mod first_tokens;
 mod forward;
 mod job;
 mod log;

@@ -1,6 +1,8 @@
 //! The relay's counters and latency histograms, per backend, for the proxy's Prometheus
 //! metrics (the Python side reads a [`Stats::snapshot`] at scrape time and labels it).
 //!
+//! Also the first tokens the control plane fits `ttft`'s costs from ([`super::first_tokens`]).
+//!
 //! Every update is a few relaxed atomic adds: O(1) (O(buckets) for a histogram). Shared by the
 //! relay's tasks and the scrapes; backends are added under a short write lock.
 
@@ -8,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use super::first_tokens::FirstTokens;
 use crate::Branch;
 
 /// Upper bounds (seconds) of the TTFT and end-to-end histograms.
@@ -168,6 +171,8 @@ pub struct Stats {
     pub routing: Histogram,
     /// The admission queue's.
     pub queue: QueueStats,
+    /// First tokens, for fitting `ttft`'s costs.
+    pub first_tokens: FirstTokens,
 }
 
 /// The admission queue's counters.
@@ -195,6 +200,7 @@ impl Default for Stats {
                 shed_timeout: AtomicU64::new(0),
                 wait: Histogram::new(&LATENCY_BUCKETS),
             },
+            first_tokens: FirstTokens::default(),
         }
     }
 }

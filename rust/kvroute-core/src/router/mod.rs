@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::events::EventView;
 use crate::keys::hit_tokens;
 use crate::picker::{pick, Branch, InstanceLoad, PickInput, PickState};
-use crate::policy::Policy;
+use crate::policy::{Policy, TtftCosts};
 use crate::rng::SplitMix64;
 use crate::sessions::{shared_affinity, Affinity};
 
@@ -151,6 +151,14 @@ impl Router {
     /// The configuration in use.
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// Predict `ttft`'s times with `costs` from now on (costs refitted while serving);
+    /// checked as at construction.
+    pub fn set_ttft_costs(&mut self, costs: TtftCosts) -> Result<()> {
+        costs.validate()?;
+        self.config.params.ttft_costs = Some(costs);
+        Ok(())
     }
 
     /// Number of instances ever added (indices `0..n`).
