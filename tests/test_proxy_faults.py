@@ -261,7 +261,8 @@ def test_running_out_of_file_descriptors_is_logged_once_per_interval() -> None:
     elapsed = time.monotonic() - t0
     err = proxy.log()
     assert "Too many open files" in err
-    lines = [line for line in err.splitlines() if "accept" in line]
+    prefix = "kvroute proxy: "
+    lines = [line.removeprefix(prefix) for line in err.splitlines() if "accept" in line]
     # A first line, then one per interval with the count of the failures it stands for.
     assert lines[0].startswith("accept failed") and again not in lines[0], err[-2000:]
     assert all(line.startswith("accept failed") and again in line for line in lines[1:]), err

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 import kvroute
 from kvroute import sim
 from kvroute.errors import InvalidArgumentError
-from kvroute.proxy import ProxyConfig
 from kvroute.proxy.ttft_fit import BUDGETS, MIN_SAMPLES, PRIOR, fit_costs, terms
 from kvroute.proxy.ttft_fit import COSTS as FIT_COSTS
 from kvroute.sim.profile import FORMAT, VERSION

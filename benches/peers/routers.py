@@ -183,6 +183,12 @@ ARMS: dict[str, Arm] = {
         Arm("kvroute-ttft", "kvroute", _kvroute_ttft(), needs_profile=True),
         # The same without a profile: the costs fitted to the proxy's own first tokens.
         Arm("kvroute-ttft-online", "kvroute", _kvroute("--policy", "ttft")),
+        # ... without the delay a prefill adds to the requests running on the engine.
+        Arm(
+            "kvroute-ttft-online-nodelay",
+            "kvroute",
+            _kvroute("--policy", "ttft", "--router-option", "delay_weight=0"),
+        ),
         Arm(
             "kvroute-ttft-online-slo0.25",
             "kvroute",

@@ -117,7 +117,7 @@ class EngineCaches:
         )
         for b, result in zip(todo, results, strict=True):
             if isinstance(result, _ERRORS):
-                log.info("backend %s: probe failed (%s); retried next round", b.label, result)
+                log.debug("backend %s: probe failed (%s); retried next round", b.label, result)
             elif isinstance(result, BaseException):
                 raise result
 

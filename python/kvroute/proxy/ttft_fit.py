@@ -147,7 +147,7 @@ class OnlineTtftCosts:
             "ttft: costs fitted to %d first tokens (rms error %.1f ms): %s",
             len(self.samples),
             self.rms_s * 1e3,
-            ", ".join(f"{k}={v:.3g}" for k, v in costs.items() if v),
+            ", ".join(f"{k}={v:.4g}" for k, v in costs.items() if v),
         )
         return True
 
