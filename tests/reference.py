@@ -28,6 +28,7 @@ from kvroute.errors import (
     UnknownPolicyError,
 )
 from kvroute.sim import engine_params
+from kvroute.sim.profile import COST_TERMS
 
 MASK64 = (1 << 64) - 1
 
@@ -89,18 +90,7 @@ class Instance:
 
 
 #: The engine parameters ``ttft`` predicts with (``Router.ttft_costs``).
-TTFT_TERMS = (
-    "step_overhead_s",
-    "prefill_s_per_token",
-    "prefill_s_per_pair",
-    "decode_s_per_seq",
-    "decode_s_per_ctx_token",
-    "admit_s_per_token",
-    "admit_s_per_request",
-    "request_overhead_s",
-    "busy_handling_s",
-    "max_num_batched_tokens",
-)
+TTFT_TERMS = (*COST_TERMS, "max_num_batched_tokens")
 
 
 @dataclass

@@ -132,6 +132,18 @@ def test_without_a_profile_the_proxy_fits_the_costs_to_the_first_tokens() -> Non
         assert not stack.st.run(fitter.refit)  # nothing new came
 
 
+def test_the_cli_says_how_ttft_gets_its_costs() -> None:
+    engine = spawn("engine", "--model", "m")
+    try:
+        proxy = spawn("proxy", "--backend", engine.url, "--policy", "ttft")
+        proxy.stop()
+    finally:
+        engine.stop()
+    log = proxy.log()
+    assert "kvroute proxy: policy ttft without an engine profile: leastwork's rule until" in log
+    assert "kvroute proxy: policy ttft (delay_weight=1.0)" in log
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     costs=st.fixed_dictionaries(
