@@ -88,8 +88,9 @@ class Proxy:
         if config.fits_ttft_costs:
             self.ttft_costs = OnlineTtftCosts(lambda: self._relay, self.router)
             log.info(
-                "policy ttft without an engine profile: leastwork's rule until %d first "
-                "tokens have come, then costs fitted to them every %.0f s",
+                "policy ttft without an engine profile: prefill tokens alone until %d first "
+                "tokens have come (leastwork's rule, with the delay term), then costs fitted "
+                "to them every %.0f s",
                 MIN_SAMPLES,
                 self.ttft_costs.interval_s,
             )

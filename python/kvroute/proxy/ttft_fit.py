@@ -1,5 +1,5 @@
 """The ``ttft`` policy's step costs fitted while the proxy serves, from the first tokens the
-relay measures (``docs/proxy.md``, "ttft without a profile").
+relay measures (``docs/proxy.md``, "Predicting time to first token").
 
 The time ``ttft`` predicts (``docs/semantics.md`` §3) is linear in its costs once the step
 budget (``max_num_batched_tokens``) is fixed. Per sample (an engine's counters just before a
@@ -7,7 +7,8 @@ request was routed there, the request's uncached and total prompt tokens, the se
 the decision to its first byte), :func:`terms` gives the factor of each cost;
 :func:`fit_costs` solves the non-negative least squares for each candidate budget and keeps
 the budget with the smallest residual. Until :data:`MIN_SAMPLES` first tokens have come, the
-router predicts with :data:`PRIOR`, under which ``ttft`` picks as ``leastwork`` (LPWL) does.
+router predicts with :data:`PRIOR`, under which ``ttft`` picks as ``leastwork`` (LPWL) does
+(plus its delay term, where ``delay_weight`` > 0).
 
 :class:`OnlineTtftCosts` takes the relay's samples every ``interval_s`` seconds, keeps the
 newest ``window`` and refits. A fit is O(window) per budget, about a millisecond for 2,048

@@ -1,8 +1,8 @@
 //! Samples of first tokens, from which the control plane fits the `ttft` policy's step costs
-//! while the proxy serves (`docs/proxy.md`, "ttft without a profile"): per streamed request
-//! answered on its first attempt, the counters of its engine just before it was routed
-//! there, its uncached and total prompt tokens, and the seconds from that decision to its
-//! first byte.
+//! while the proxy serves (`docs/proxy.md`, "Predicting time to first token"): per streamed
+//! request answered on its first attempt, the counters of its engine just before it was
+//! routed there, its uncached and total prompt tokens, and the seconds from that decision to
+//! its first byte.
 //!
 //! A bounded queue that keeps the newest [`CAPACITY`] samples until they are taken. One
 //! short mutex hold per sample; shared by the relay's tasks and the control plane.

@@ -7,9 +7,10 @@
 //! a 5xx answer before any byte reached the client is finished and retried on the next
 //! choice, the failed backends hidden from the router for that one decision; a stalled backend
 //! gives 504 without retry; a failure mid-stream ends the client's stream with an error event
-//! ([`super::stream`]). A first attempt's first streamed byte is a sample for fitting `ttft`'s
-//! costs ([`super::first_tokens`]). A connection that closes before a byte of answer (a kept-alive one the
-//! backend was closing) is replaced once by a new one before the attempt counts as failed.
+//! ([`super::stream`]). A connection that closes before a byte of answer (a kept-alive one the
+//! backend was closing) is replaced once by a new one before the attempt counts as failed. A
+//! first attempt's first streamed byte is a sample for fitting `ttft`'s costs
+//! ([`super::first_tokens`]).
 //!
 //! Per request: one hook call for the keys (on the blocking pool when the hooks say it may
 //! take a round-trip), O(keys + instances) under the router lock per attempt, O(bytes) for

@@ -18,8 +18,8 @@
 //! - [`output`]: what an answer generated (its token ids or text), for the router to record
 //!   the blocks the engine stored for it.
 //! - [`stats`]: counters and histograms for the metrics, and [`first_tokens`], the samples
-//!   `ttft`'s costs are fitted from; `usage`: the usage an answer
-//!   reports; `log`: the JSONL decision log.
+//!   `ttft`'s costs are fitted from; `usage`: the usage an answer reports; `log`: the JSONL
+//!   decision log.
 //!
 //! One event-loop thread (a single-threaded tokio runtime) serves every connection: a
 //! relayed chunk costs one read and one write, with no interpreter and no thread switch.
