@@ -132,6 +132,15 @@ def test_without_a_profile_the_proxy_fits_the_costs_to_the_first_tokens() -> Non
         assert not stack.st.run(fitter.refit)  # nothing new came
 
 
+def test_a_proxy_that_fits_nothing_keeps_no_first_tokens() -> None:
+    with Stack(2) as stack:
+        assert stack.proxy.ttft_costs is None
+        body = {"prompt": list(range(64)), "max_tokens": 2, "stream": True}
+        assert http("POST", stack.url + "/v1/completions", body)[0] == 200
+        relay = stack.proxy._relay
+        assert relay is not None and relay.take_first_tokens() == []
+
+
 def test_the_cli_says_how_ttft_gets_its_costs() -> None:
     engine = spawn("engine", "--model", "m")
     try:

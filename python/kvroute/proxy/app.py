@@ -154,6 +154,7 @@ class Proxy:
             queue_timeout_s=c.queue_timeout_s,
             queue_patience_s=c.queue_patience_s,
             priority_header=c.priority_header,
+            first_tokens=c.fits_ttft_costs,
         )
         self.pool.attach(self._relay)
         return bound

@@ -155,8 +155,9 @@ pub struct TtftCosts {
 }
 
 impl TtftCosts {
-    pub(crate) fn validate(&self) -> Result<()> {
-        let terms = [
+    /// The seconds-valued terms by name (all but `max_num_batched_tokens`).
+    pub fn named(&self) -> [(&'static str, f64); 9] {
+        [
             ("step_overhead_s", self.step_overhead_s),
             ("prefill_s_per_token", self.prefill_s_per_token),
             ("prefill_s_per_pair", self.prefill_s_per_pair),
@@ -166,8 +167,11 @@ impl TtftCosts {
             ("admit_s_per_request", self.admit_s_per_request),
             ("request_overhead_s", self.request_overhead_s),
             ("busy_handling_s", self.busy_handling_s),
-        ];
-        for (name, value) in terms {
+        ]
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        for (name, value) in self.named() {
             if !value.is_finite() || value < 0.0 {
                 return Err(Error::InvalidArgument(format!(
                     "ttft cost {name} must be a finite number >= 0, got {value}"

@@ -248,18 +248,7 @@ impl PyRouter {
     fn ttft_costs<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(c) = self.lock().config().params.ttft_costs.clone() else { return Ok(None) };
         let d = PyDict::new(py);
-        let terms = [
-            ("step_overhead_s", c.step_overhead_s),
-            ("prefill_s_per_token", c.prefill_s_per_token),
-            ("prefill_s_per_pair", c.prefill_s_per_pair),
-            ("decode_s_per_seq", c.decode_s_per_seq),
-            ("decode_s_per_ctx_token", c.decode_s_per_ctx_token),
-            ("admit_s_per_token", c.admit_s_per_token),
-            ("admit_s_per_request", c.admit_s_per_request),
-            ("request_overhead_s", c.request_overhead_s),
-            ("busy_handling_s", c.busy_handling_s),
-        ];
-        for (name, value) in terms {
+        for (name, value) in c.named() {
             d.set_item(name, value)?;
         }
         d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;

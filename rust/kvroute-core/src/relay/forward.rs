@@ -184,7 +184,7 @@ async fn run(job: &Job, req: &Request) -> Answer {
                 terms,
             });
         }
-        let sample = (attempt == 0).then_some(before);
+        let sample = before.filter(|_| attempt == 0);
         match attempt_on(job, req, &decision, at, queue_wait, sample).await {
             Ok(answer) => return answer,
             Err((f, at)) => {
@@ -251,7 +251,7 @@ async fn key(sh: &Arc<Shared>, req: &Request, chat: bool) -> Result<Keyed, Refus
 }
 
 /// What [`route`] gives.
-type Routed = crate::Result<(Decision, Option<Terms>, Before)>;
+type Routed = crate::Result<(Decision, Option<Terms>, Option<Before>)>;
 
 /// The chosen engine's counters just before a decision, and when it was taken: a first
 /// token's sample ([`super::first_tokens`]).
@@ -340,17 +340,26 @@ enum Target<'a> {
     On(usize),
 }
 
-/// Route to `target`; the score terms before it when the decision log wants them.
+/// Route to `target`; the score terms before it when the decision log wants them, and the
+/// chosen engine's counters when first tokens are sampled. The loads are read (copied) only
+/// for those two.
 fn route(router: &mut Router, sh: &Shared, rid: &Id, k: &Keyed, target: Target<'_>) -> Routed {
-    let terms = sh.log.as_ref().map(|_| Terms::read(router, &k.keys, k.input_length));
-    let mut loads = router.policy_loads_now();
+    let sampled = sh.config.first_tokens;
+    let mut loads = match sampled || sh.log.is_some() {
+        true => router.policy_loads_now(),
+        false => Vec::new(),
+    };
+    let terms = sh.log.as_ref().map(|_| Terms::read(router, &loads, &k.keys, k.input_length));
     let (keys, n, session) = (&k.keys, k.input_length, k.session.as_ref());
     let decision = match target {
         Target::On(x) => router.route_on(x, rid.clone(), keys, n, session),
         Target::Any(tried) => router.route_excluding(tried, rid.clone(), keys, n, session),
     }?;
-    let load = loads.get_mut(decision.instance).map(std::mem::take).unwrap_or_default();
-    Ok((decision, terms, Before { load, at: Instant::now() }))
+    let before = sampled.then(|| Before {
+        load: loads.get_mut(decision.instance).map(std::mem::take).unwrap_or_default(),
+        at: Instant::now(),
+    });
+    Ok((decision, terms, before))
 }
 
 /// Send the request to `at`'s backend: the connection and the answer's head.

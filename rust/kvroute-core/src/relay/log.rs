@@ -16,23 +16,23 @@ use std::time::{Duration, Instant};
 
 use super::reply::json_str;
 use crate::jobs::locked;
-use crate::picker::predicted_ttft;
+use crate::picker::{predicted_ttft, InstanceLoad};
 use crate::{Decision, Id, Policy, Router};
 
 /// Per-instance score terms before a decision.
 pub(super) struct Terms(Vec<u8>);
 
 impl Terms {
-    /// Read off `router` for a request of `keys` and `input_length` tokens.
-    pub fn read(router: &Router, keys: &[u64], input_length: u64) -> Terms {
+    /// Read off `router` for a request of `keys` and `input_length` tokens, with `loads`
+    /// (its [`Router::policy_loads_now`]).
+    pub fn read(router: &Router, loads: &[InstanceLoad], keys: &[u64], input_length: u64) -> Terms {
         let hits = router.estimate_cache_hits(keys, input_length);
         let mut out = b"[".to_vec();
-        let read = router.policy_loads_now();
         let costs = match router.policy() {
             Policy::Ttft => router.config().params.ttft_costs.as_ref(),
             _ => None,
         };
-        for (i, ((hit, st), load)) in hits.iter().zip(router.state()).zip(read).enumerate() {
+        for (i, ((hit, st), load)) in hits.iter().zip(router.state()).zip(loads).enumerate() {
             let new = input_length.saturating_sub(*hit);
             let pending = load.pending_prefill_tokens;
             if i > 0 {
@@ -51,7 +51,7 @@ impl Terms {
             );
             if let Some(c) = costs {
                 let _ =
-                    write!(out, ",\"predicted_ttft_s\":{:.6}", predicted_ttft(c, &load, new, input_length));
+                    write!(out, ",\"predicted_ttft_s\":{:.6}", predicted_ttft(c, load, new, input_length));
             }
             let _ = match st.engine {
                 Some(e) => write!(

@@ -112,6 +112,9 @@ pub struct RelayConfig {
     /// Requests wait while no engine has room ([`admission`]); None: they are routed at once
     /// (overloaded engines all take part when every one is).
     pub admission: Option<admission::AdmissionConfig>,
+    /// Keep a sample of each streamed first attempt's first token ([`first_tokens`]), for a
+    /// control plane that fits `ttft`'s costs; off, nothing is kept.
+    pub first_tokens: bool,
 }
 
 /// A request body's routing inputs, from [`Hooks::key`].
