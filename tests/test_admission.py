@@ -173,6 +173,32 @@ def test_past_its_patience_the_first_waiting_takes_any_engine_with_room() -> Non
         assert sum(queue(proxy)["wait"][0]) == 1
 
 
+def test_an_engine_holds_a_room_for_a_sessions_next_turn() -> None:
+    """With ``queue_hold_s`` the engine a session's request ended on keeps its room for the
+    session's next turn: a request of another session waiting for it is passed, and goes
+    when the hold runs out with no next turn."""
+    a, b = {"X-Session-Id": "a"}, {"X-Session-Id": "b"}
+    config = {"queue_size": 8, "queue_patience_s": 0.0, "queue_hold_s": 4.0}
+    with stack(1, **config) as (url, proxy, (e0,)):
+        first = send(url, [1], a)
+        wait_until(lambda: e0.arrived == 1, what="a's first turn on the engine")
+        other = send(url, [2], b)
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="b to wait")
+        e0.release()
+        first["thread"].join()
+        assert queue(proxy)["waiting"] == 1, "the room is held for a"
+        second = send(url, [3], a)
+        wait_until(lambda: e0.arrived == 2, what="a's second turn in the held room")
+        e0.release()
+        second["thread"].join()
+        wait_until(lambda: e0.arrived == 3, what="b once a's hold ran out")
+        e0.release()
+        other["thread"].join()
+        assert [r["status"] for r in (first, second, other)] == [200] * 3
+        assert e0.served == [[1], [3], [2]]
+        assert queue(proxy)["queued"] == 1
+
+
 def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
     with stack(1, queue_size=1, queue_timeout_s=0.5) as (url, proxy, (e0,)):
         busy = send(url, [1])
@@ -251,7 +277,13 @@ def test_without_a_queue_overloaded_engines_all_take_part() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"queue_size": -1}, {"max_in_flight": 0}, {"queue_timeout_s": 0}, {"queue_patience_s": -1}],
+    [
+        {"queue_size": -1},
+        {"max_in_flight": 0},
+        {"queue_timeout_s": 0},
+        {"queue_patience_s": -1},
+        {"queue_hold_s": -1},
+    ],
 )
 def test_admission_options_are_checked(bad: dict[str, Any]) -> None:
     with pytest.raises(Exception, match=next(iter(bad))):

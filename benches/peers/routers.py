@@ -176,7 +176,16 @@ ARMS: dict[str, Arm] = {
                 "kvroute",
                 _kvroute("--max-in-flight", str(n), "--queue-size", "1024"),
             )
-            for n in (2, 3, 4, 5, 6)
+            for n in (2, 3, 4, 5, 6, 8)
+        ),
+        # ... with holds: an engine keeps a room for a session's next turn for a second.
+        *(
+            Arm(
+                f"kvroute-hold{n}",
+                "kvroute",
+                _kvroute("--max-in-flight", str(n), "--queue-size", "1024", "--queue-hold", "1"),
+            )
+            for n in (4, 6)
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target
         # (seconds), the most cache reuse among the engines predicted to meet it.

@@ -40,7 +40,8 @@ import engines
 import routers
 import workloads
 
-#: KV cache bytes per engine, per workload (the tiny model: 512 bytes a token).
+#: KV cache bytes per engine, per workload (the tiny model: 2 KiB a token, so 48 MiB hold
+#: 24,576 tokens).
 KV_BYTES = {
     "agentic-text": 48 << 20,
     "agentic-chat": 48 << 20,
@@ -50,8 +51,9 @@ KV_BYTES = {
 #: Prompt tokens of each request of the outside traffic (``--outside``): random ids, so none
 #: hits the prefix cache.
 OUTSIDE_PROMPT_TOKENS = 2048
-#: Sessions (or, without sessions, requests) in flight per load.
-LOADS = {"light": 2, "heavy": 8}
+#: Sessions (or, without sessions, requests) in flight per load: ``overload`` is past what the
+#: two engines take without queueing or preempting.
+LOADS = {"light": 2, "heavy": 8, "overload": 16}
 DEFAULT_ARMS = (
     "kvroute-default",
     "smg-cache-aware",
@@ -224,7 +226,7 @@ def _median_range(values: list[float], fmt: str) -> str:
 def markdown(runs: list[ArmRun], ceilings: dict[str, dict[str, float]]) -> str:
     """One table per workload and load: each arm's medians over the rounds, with ranges."""
     out = []
-    keys = sorted({(r.workload, r.load) for r in runs}, key=lambda k: (k[0], k[1] != "light"))
+    keys = sorted({(r.workload, r.load) for r in runs}, key=lambda k: (k[0], LOADS[k[1]]))
     for wl, load in keys:
         c = ceilings[wl]
         out.append(
@@ -302,11 +304,13 @@ def run(
     turns: int | None = None,
     progress: Any = print,
     outside: int = 0,
+    kv_mib: int | None = None,
 ) -> tuple[list[ArmRun], dict[str, dict[str, float]], dict[str, Any]]:
     """Every workload x load x round x arm (see the module doc); the runs, each workload's
     ceilings, and the run's facts (versions, sizes). ``sessions`` and ``turns`` cut the
     workloads (:func:`build`); ``outside``: clients sending the first engine traffic of
-    their own meanwhile (:class:`Outside`)."""
+    their own meanwhile (:class:`Outside`); ``kv_mib``: KV cache per engine for every
+    workload (None: ``KV_BYTES``)."""
     arms = routers.arms(arm_names)
     peers_bin = routers.peers_venv(progress) if any(a.kind != "kvroute" for a in arms) else None
     runs: list[ArmRun] = []
@@ -319,14 +323,15 @@ def run(
         "outside_clients": outside,
     }  # fmt: skip
     for name in names:
-        with engines.Engines(KV_BYTES[name], log_dir / "vllm") as eng:
+        kv_bytes = KV_BYTES[name] if kv_mib is None else kv_mib << 20
+        with engines.Engines(kv_bytes, log_dir / "vllm") as eng:
             fleet = eng.fleet
             if any(a.needs_profile for a in arms):
                 fleet = dataclasses.replace(fleet, profile=log_dir / f"profile-{name}.json")
                 facts.setdefault("profiles", {})[name] = engines.calibrate(fleet, progress)
             work = build(name, fleet, sessions, turns)
             ceilings[name] = workloads.ceiling(work, fleet.block_size)
-            facts["kv_bytes"][name] = KV_BYTES[name]
+            facts["kv_bytes"][name] = kv_bytes
             facts["requests"][name] = work.requests
             for load in loads:
                 for rnd in range(rounds):
@@ -362,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         "--outside", type=int, default=0, help="clients sending the first engine traffic of "
         "their own during each arm's run (a batch job bypassing the router)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-mib", type=int, default=None, help="KV cache per engine in MiB, for every "
+        "workload (default: each workload's own, KV_BYTES)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
@@ -372,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     runs, ceilings, facts = run(
         split(args.workloads), split(args.loads), split(args.arms), args.rounds, log_dir,
-        args.sessions, args.turns, outside=args.outside,
+        args.sessions, args.turns, outside=args.outside, kv_mib=args.kv_mib,
     )  # fmt: skip
     facts["seconds"] = round(time.time() - started)
     table = markdown(runs, ceilings)

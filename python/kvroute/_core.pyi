@@ -281,6 +281,7 @@ class Relay:
         queue_timeout_s: float = 30.0,
         queue_patience_s: float = 0.5,
         priority_header: str = "x-priority",
+        queue_hold_s: float = 0.0,
         first_tokens: bool = False,
     ) -> Relay: ...
     def set_backend(

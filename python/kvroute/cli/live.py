@@ -44,7 +44,7 @@ def _ready(what: str) -> Any:
 
 
 def admission_options(f: F) -> F:
-    """``--max-in-flight``, ``--queue-size`` and ``--queue-patience`` (``docs/proxy.md``,
+    """``--max-in-flight``, ``--queue-size``, ``--queue-patience`` and ``--queue-hold`` (``docs/proxy.md``,
     "Admission"), for the proxy and for the commands that run one."""
     options = [
         click.option(
@@ -69,6 +69,14 @@ def admission_options(f: F) -> F:
             type=Finite(min=0),
             help="Seconds a queued request waits for the engine its policy prefers before the "
             "first in the queue takes any engine with room.",
+        ),
+        click.option(
+            "--queue-hold",
+            default=0.0,
+            show_default=True,
+            type=Finite(min=0),
+            help="Seconds an engine keeps a room (under --max-in-flight) for a session's next "
+            "request after one ends there, so the sessions being served keep their engines.",
         ),
     ]
     for option in reversed(options):
@@ -290,6 +298,7 @@ def proxy(**kw: Any) -> None:
             queue_size=kw["queue_size"],
             queue_timeout_s=kw["queue_timeout"],
             queue_patience_s=kw["queue_patience"],
+            queue_hold_s=kw["queue_hold"],
             priority_header=kw["priority_header"],
             unhealthy_after=kw["unhealthy_after"],
             healthy_after=kw["healthy_after"],

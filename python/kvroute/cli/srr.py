@@ -91,6 +91,7 @@ def srr(
     max_in_flight: int | None,
     queue_size: int | None,
     queue_patience: float,
+    queue_hold: float,
     overlap_min_tokens: int,
     hot_factor: float,
     queue_wait: float,
@@ -110,7 +111,7 @@ def srr(
     err = Console(stderr=True)
     try:
         engine = load_profile(engine_profile) if engine_profile else None
-        proxy: dict[str, Any] = {"queue_patience_s": queue_patience}
+        proxy: dict[str, Any] = {"queue_patience_s": queue_patience, "queue_hold_s": queue_hold}
         if max_in_flight is not None:
             proxy["max_in_flight"] = max_in_flight
         if queue_size is not None:

@@ -153,6 +153,7 @@ class Proxy:
             queue_size=c.queue_size,
             queue_timeout_s=c.queue_timeout_s,
             queue_patience_s=c.queue_patience_s,
+            queue_hold_s=c.queue_hold_s,
             priority_header=c.priority_header,
             first_tokens=c.fits_ttft_costs,
         )

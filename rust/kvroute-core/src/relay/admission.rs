@@ -11,6 +11,13 @@
 //! request in the order takes any engine with room (the policy's pick among those), so an
 //! engine does not idle long while the queue waits for another.
 //!
+//! Holds (`hold` > 0): when a session's request ends on an engine, that engine keeps a room
+//! for the session's next request for `hold`: others see one room less there until it comes
+//! (it goes there at once, queue or not) or the hold runs out. Under an in-flight cap this
+//! keeps the sessions being served on their engines while others wait, so the prompts the
+//! engines cache are those of the sessions they serve: past the cache's size, taking every
+//! waiting session in turn evicts each one's prompt before its next turn.
+//!
 //! Order: a higher priority first (the priority header, an integer, 0 without it); within a
 //! priority, a session's n-th waiting request after every other session's (n-1)-th (so a
 //! session with many requests waiting does not starve the others; a request without a
@@ -50,6 +57,9 @@ pub struct AdmissionConfig {
     pub patience: Duration,
     /// Lower-case name of the header with a request's priority (an integer, higher first).
     pub priority_header: String,
+    /// How long an engine keeps a room for a session's next request after one ends there
+    /// (zero: no holds).
+    pub hold: Duration,
 }
 
 /// A place in the queue: priority (higher first), the session's round, arrival.
@@ -62,6 +72,8 @@ struct Queue {
     order: BTreeMap<Place, Option<usize>>,
     /// Requests waiting per session.
     sessions: HashMap<Id, u64>,
+    /// Per session, the engine that keeps a room for its next request, and until when.
+    holds: HashMap<Id, (usize, Instant)>,
 }
 
 /// The queue and its wake-ups (see the module doc).
@@ -119,6 +131,33 @@ impl Admission {
         Some(Ticket { admission: self, place, session: session.cloned(), since: Instant::now() })
     }
 
+    /// A request of `session` ended on `instance`: hold a room there for the session's next
+    /// request (when holds are on).
+    pub fn hold(&self, session: &Id, instance: usize) {
+        if !self.config.hold.is_zero() {
+            let until = Instant::now() + self.config.hold;
+            self.locked().holds.insert(session.clone(), (instance, until));
+        }
+    }
+
+    /// The engine holding a room for `session`'s next request, if any, now given up.
+    pub fn take_hold(&self, session: &Id) -> Option<usize> {
+        let (instance, until) = self.locked().holds.remove(session)?;
+        (Instant::now() < until).then_some(instance)
+    }
+
+    /// Rooms `instance` holds for sessions other than `session`; the holds that ran out
+    /// are dropped. O(holds).
+    pub fn held_on(&self, instance: usize, session: Option<&Id>) -> u64 {
+        let mut q = self.locked();
+        if q.holds.is_empty() {
+            return 0;
+        }
+        let now = Instant::now();
+        q.holds.retain(|_, (_, until)| now < *until);
+        q.holds.iter().filter(|(s, (i, _))| *i == instance && Some(*s) != session).count() as u64
+    }
+
     /// A future that completes at the next [`Admission::wake`] (registered at once).
     pub fn woken(&self) -> tokio::sync::futures::Notified<'_> {
         self.wake.notified()
@@ -172,6 +211,7 @@ mod tests {
             max_wait: Duration::from_secs(1),
             patience: Duration::ZERO,
             priority_header: "x-priority".into(),
+            hold: Duration::ZERO,
         })
     }
 
@@ -219,5 +259,24 @@ mod tests {
         assert!(a.enter(0, None, &stats).is_none());
         drop(held);
         assert!(a.enter(0, None, &stats).is_some());
+    }
+
+    #[test]
+    fn an_engine_holds_a_room_for_a_sessions_next_request() {
+        let mut a = admission(8);
+        let (s1, s2) = (Id::Str("s1".into()), Id::Str("s2".into()));
+        a.hold(&s1, 0);
+        assert_eq!(a.held_on(0, None), 0, "no holds when hold is zero");
+        a.config.hold = Duration::from_secs(60);
+        a.hold(&s1, 0);
+        assert_eq!((a.held_on(0, Some(&s2)), a.held_on(0, None), a.held_on(1, None)), (1, 1, 0));
+        assert_eq!(a.held_on(0, Some(&s1)), 0, "not against the session itself");
+        assert_eq!(a.take_hold(&s1), Some(0));
+        assert_eq!((a.take_hold(&s1), a.held_on(0, None)), (None, 0), "taken once");
+        a.config.hold = Duration::from_nanos(1);
+        a.hold(&s2, 1);
+        std::thread::sleep(Duration::from_millis(1));
+        assert_eq!(a.held_on(1, None), 0, "run out");
+        assert_eq!(a.take_hold(&s2), None);
     }
 }

@@ -277,6 +277,12 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
             error(400, &message, "invalid_request_error")
         })?,
     };
+    if let Some(h) = keyed.session.as_ref().and_then(|s| adm.take_hold(s)) {
+        let mut router = locked(&sh.router);
+        if router.room_on(h) > 0 {
+            return Ok((route(&mut router, sh, &job.rid, keyed, Target::On(h)), 0.0));
+        }
+    }
     if adm.waiting() == 0 {
         let patient = !adm.config.patience.is_zero();
         if let Some(routed) = try_admit(&mut locked(&sh.router), job, None, patient) {
@@ -310,20 +316,31 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
 /// when that has room and no request before it prefers the same one; when `patient` is false
 /// and it is first in the queue (or `ticket` is None: nobody waits), to any engine with
 /// room; with no engine available at all, at once (to be answered 503 as without admission).
+/// The rooms engines hold for other sessions are not room.
 fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patient: bool) -> Option<Routed> {
     let (sh, k) = (&*job.sh, &job.keyed);
-    let preferred = router.preferred(&k.keys, k.input_length, k.session.as_ref());
+    let adm = sh.admission.as_ref()?;
+    let session = k.session.as_ref();
+    let room = |router: &Router, i: usize| router.room_on(i) > adm.held_on(i, session);
+    let preferred = router.preferred(&k.keys, k.input_length, session);
     if let Some(t) = ticket {
         t.prefer(preferred);
     }
     let Some(x) = preferred else {
         return Some(route(router, sh, &job.rid, k, Target::Any(&[])));
     };
-    if router.has_room_on(x) && ticket.is_none_or(|t| t.first_for(x)) {
+    if room(router, x) && ticket.is_none_or(|t| t.first_for(x)) {
         return Some(route(router, sh, &job.rid, k, Target::On(x)));
     }
-    let first = ticket.is_none_or(Ticket::is_first);
-    (first && !patient && router.has_room()).then(|| route(router, sh, &job.rid, k, Target::Any(&[])))
+    if patient || !ticket.is_none_or(Ticket::is_first) {
+        return None;
+    }
+    let n = router.num_instances();
+    if !(0..n).any(|i| room(router, i)) {
+        return None;
+    }
+    let held: Vec<usize> = (0..n).filter(|&i| router.room_on(i) > 0 && !room(router, i)).collect();
+    Some(route(router, sh, &job.rid, k, Target::Any(&held)))
 }
 
 /// 503 with `Retry-After`: the request was not admitted.

@@ -72,10 +72,15 @@ impl Drop for Job {
         if !self.settled {
             self.sh.stats.error(ErrorKind::ClientDisconnect);
         }
-        if locked(&self.sh.router).finish(&self.rid) {
-            if let Some(a) = &self.sh.admission {
-                a.wake(); // its engine may have room now
+        let mut router = locked(&self.sh.router);
+        let instance = router.instance_of(&self.rid);
+        let finished = router.finish(&self.rid);
+        drop(router);
+        if let (true, Some(a)) = (finished, &self.sh.admission) {
+            if let (true, Some(s), Some(i)) = (self.settled, &self.keyed.session, instance) {
+                a.hold(s, i); // before the wake: a waiter woken sees the room held
             }
+            a.wake(); // its engine may have room now
         }
     }
 }

@@ -204,12 +204,30 @@ impl Router {
     }
 
     pub(super) fn overloaded(&self, i: usize) -> bool {
+        let in_flight = self.in_flight_on(i);
+        self.engine.rule.in_flight.is_some_and(|cap| in_flight >= cap) || self.engine.reported_over(i)
+    }
+
+    /// Requests in flight on instance `i` as the in-flight cap counts them.
+    fn in_flight_on(&self, i: usize) -> u64 {
         let outside = match self.config.load_source {
             LoadSource::Engine => self.engine.get(i).map_or(0, |l| l.outside),
             LoadSource::Router => 0,
         };
-        let in_flight = self.loads[i].num_requests + outside;
-        self.engine.rule.in_flight.is_some_and(|cap| in_flight >= cap) || self.engine.reported_over(i)
+        self.loads[i].num_requests + outside
+    }
+
+    /// Requests instance `i` takes now before it is overloaded: 0 when it is unavailable or
+    /// overloaded; under an in-flight cap, the cap less its requests in flight; else
+    /// `u64::MAX`. Admission counts the engines it holds for sessions against it.
+    pub fn room_on(&self, i: usize) -> u64 {
+        if !self.has_room_on(i) {
+            return 0;
+        }
+        match self.engine.rule.in_flight {
+            Some(cap) => cap.saturating_sub(self.in_flight_on(i)),
+            None => u64::MAX,
+        }
     }
 
     /// Whether some available instance is not overloaded: a request routed now has room

@@ -171,6 +171,11 @@ impl Router {
         self.requests.len()
     }
 
+    /// The instance `request` is counted on while it is in flight.
+    pub fn instance_of(&self, request: &Id) -> Option<usize> {
+        self.requests.get(request).map(|r| r.instance)
+    }
+
     /// Pick an instance for a request and count it there (semantics §2 step 1), among the
     /// available instances that are not overloaded while there are some (`engine_load`).
     pub fn route(
