@@ -283,6 +283,7 @@ def test_without_a_queue_overloaded_engines_all_take_part() -> None:
         {"queue_timeout_s": 0},
         {"queue_patience_s": -1},
         {"queue_hold_s": -1},
+        {"queue_hold_yield_s": -1},
     ],
 )
 def test_admission_options_are_checked(bad: dict[str, Any]) -> None:

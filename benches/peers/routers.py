@@ -185,7 +185,15 @@ ARMS: dict[str, Arm] = {
                 "kvroute",
                 _kvroute("--max-in-flight", str(n), "--queue-size", "1024", "--queue-hold", "1"),
             )
-            for n in (4, 6)
+            for n in (3, 4)
+        ),
+        Arm(
+            "kvroute-hold4-yield2",
+            "kvroute",
+            _kvroute(
+                "--max-in-flight", "4", "--queue-size", "1024", "--queue-hold", "1",
+                "--queue-hold-yield", "2",
+            ),
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target
         # (seconds), the most cache reuse among the engines predicted to meet it.

@@ -282,6 +282,7 @@ class Relay:
         queue_patience_s: float = 0.5,
         priority_header: str = "x-priority",
         queue_hold_s: float = 0.0,
+        queue_hold_yield_s: float = 5.0,
         first_tokens: bool = False,
     ) -> Relay: ...
     def set_backend(

@@ -44,8 +44,9 @@ def _ready(what: str) -> Any:
 
 
 def admission_options(f: F) -> F:
-    """``--max-in-flight``, ``--queue-size``, ``--queue-patience`` and ``--queue-hold`` (``docs/proxy.md``,
-    "Admission"), for the proxy and for the commands that run one."""
+    """``--max-in-flight``, ``--queue-size``, ``--queue-patience``, ``--queue-hold`` and
+    ``--queue-hold-yield`` (``docs/proxy.md``, "Admission"), for the proxy and for the
+    commands that run one."""
     options = [
         click.option(
             "--max-in-flight",
@@ -77,6 +78,13 @@ def admission_options(f: F) -> F:
             type=Finite(min=0),
             help="Seconds an engine keeps a room (under --max-in-flight) for a session's next "
             "request after one ends there, so the sessions being served keep their engines.",
+        ),
+        click.option(
+            "--queue-hold-yield",
+            default=5.0,
+            show_default=True,
+            type=Finite(min=0),
+            help="No room is held while a request has waited this many seconds.",
         ),
     ]
     for option in reversed(options):
@@ -299,6 +307,7 @@ def proxy(**kw: Any) -> None:
             queue_timeout_s=kw["queue_timeout"],
             queue_patience_s=kw["queue_patience"],
             queue_hold_s=kw["queue_hold"],
+            queue_hold_yield_s=kw["queue_hold_yield"],
             priority_header=kw["priority_header"],
             unhealthy_after=kw["unhealthy_after"],
             healthy_after=kw["healthy_after"],

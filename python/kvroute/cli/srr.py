@@ -92,6 +92,7 @@ def srr(
     queue_size: int | None,
     queue_patience: float,
     queue_hold: float,
+    queue_hold_yield: float,
     overlap_min_tokens: int,
     hot_factor: float,
     queue_wait: float,
@@ -111,7 +112,11 @@ def srr(
     err = Console(stderr=True)
     try:
         engine = load_profile(engine_profile) if engine_profile else None
-        proxy: dict[str, Any] = {"queue_patience_s": queue_patience, "queue_hold_s": queue_hold}
+        proxy: dict[str, Any] = {
+            "queue_patience_s": queue_patience,
+            "queue_hold_s": queue_hold,
+            "queue_hold_yield_s": queue_hold_yield,
+        }
         if max_in_flight is not None:
             proxy["max_in_flight"] = max_in_flight
         if queue_size is not None:

@@ -13,7 +13,9 @@
 //!
 //! Holds (`hold` > 0): when a session's request ends on an engine, that engine keeps a room
 //! for the session's next request for `hold`: others see one room less there until it comes
-//! (it goes there at once, queue or not) or the hold runs out. Under an in-flight cap this
+//! (it goes there at once, queue or not) or the hold runs out. No hold is given while a
+//! request has waited `hold_yield` or longer, so the waiting sessions get in within about
+//! that. Under an in-flight cap this
 //! keeps the sessions being served on their engines while others wait, so the prompts the
 //! engines cache are those of the sessions they serve: past the cache's size, taking every
 //! waiting session in turn evicts each one's prompt before its next turn.
@@ -60,6 +62,8 @@ pub struct AdmissionConfig {
     /// How long an engine keeps a room for a session's next request after one ends there
     /// (zero: no holds).
     pub hold: Duration,
+    /// No hold is given while a request has waited this long.
+    pub hold_yield: Duration,
 }
 
 /// A place in the queue: priority (higher first), the session's round, arrival.
@@ -68,8 +72,9 @@ type Place = (Reverse<i64>, u64, u64);
 #[derive(Default)]
 struct Queue {
     arrivals: u64,
-    /// Waiting requests in order, each with its preferred engine when last looked at.
-    order: BTreeMap<Place, Option<usize>>,
+    /// Waiting requests in order, each with its preferred engine when last looked at and
+    /// when it came.
+    order: BTreeMap<Place, (Option<usize>, Instant)>,
     /// Requests waiting per session.
     sessions: HashMap<Id, u64>,
     /// Per session, the engine that keeps a room for its next request, and until when.
@@ -124,19 +129,23 @@ impl Admission {
             }
             None => 0,
         };
-        let place = (Reverse(priority), round, q.arrivals);
+        let (place, since) = ((Reverse(priority), round, q.arrivals), Instant::now());
         q.arrivals += 1;
-        q.order.insert(place, None);
+        q.order.insert(place, (None, since));
         stats.queue.queued.fetch_add(1, Relaxed);
-        Some(Ticket { admission: self, place, session: session.cloned(), since: Instant::now() })
+        Some(Ticket { admission: self, place, session: session.cloned(), since })
     }
 
     /// A request of `session` ended on `instance`: hold a room there for the session's next
-    /// request (when holds are on).
+    /// request (when holds are on and no request has waited `hold_yield`). O(waiting).
     pub fn hold(&self, session: &Id, instance: usize) {
-        if !self.config.hold.is_zero() {
-            let until = Instant::now() + self.config.hold;
-            self.locked().holds.insert(session.clone(), (instance, until));
+        if self.config.hold.is_zero() {
+            return;
+        }
+        let mut q = self.locked();
+        let now = Instant::now();
+        if q.order.values().all(|(_, since)| now.duration_since(*since) < self.config.hold_yield) {
+            q.holds.insert(session.clone(), (instance, now + self.config.hold));
         }
     }
 
@@ -173,14 +182,14 @@ impl Ticket<'_> {
     /// Record the engine this request prefers now (None: none is available).
     pub fn prefer(&self, instance: Option<usize>) {
         if let Some(p) = self.admission.locked().order.get_mut(&self.place) {
-            *p = instance;
+            p.0 = instance;
         }
     }
 
     /// Whether no request before this one in the order prefers `instance`.
     pub fn first_for(&self, instance: usize) -> bool {
         let q = self.admission.locked();
-        !q.order.range(..self.place).any(|(_, p)| *p == Some(instance))
+        !q.order.range(..self.place).any(|(_, p)| p.0 == Some(instance))
     }
 }
 
@@ -212,6 +221,7 @@ mod tests {
             patience: Duration::ZERO,
             priority_header: "x-priority".into(),
             hold: Duration::ZERO,
+            hold_yield: Duration::from_secs(60),
         })
     }
 
@@ -278,5 +288,20 @@ mod tests {
         std::thread::sleep(Duration::from_millis(1));
         assert_eq!(a.held_on(1, None), 0, "run out");
         assert_eq!(a.take_hold(&s2), None);
+    }
+
+    #[test]
+    fn no_hold_is_given_while_a_request_has_waited_long() {
+        let (mut a, stats) = (admission(8), Stats::default());
+        a.config.hold = Duration::from_secs(60);
+        a.config.hold_yield = Duration::from_nanos(1);
+        let s1 = Id::Str("s1".into());
+        let waiting = a.enter(0, None, &stats).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+        a.hold(&s1, 0);
+        assert_eq!(a.held_on(0, None), 0, "the waiting request waited past hold_yield");
+        drop(waiting);
+        a.hold(&s1, 0);
+        assert_eq!(a.held_on(0, None), 1);
     }
 }
