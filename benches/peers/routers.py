@@ -191,8 +191,14 @@ ARMS: dict[str, Arm] = {
             "kvroute-hold4-yield2",
             "kvroute",
             _kvroute(
-                "--max-in-flight", "4", "--queue-size", "1024", "--queue-hold", "1",
-                "--queue-hold-yield", "2",
+                "--max-in-flight",
+                "4",
+                "--queue-size",
+                "1024",
+                "--queue-hold",
+                "1",
+                "--queue-hold-yield",
+                "2",
             ),
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target

@@ -138,6 +138,10 @@ fn seconds(py: Python<'_>, value: f64, name: &str) -> PyResult<Duration> {
         .ok_or_else(|| invalid(py, format!("{name} must be positive, got {value}")))
 }
 
+fn seconds_or_zero(py: Python<'_>, value: f64, name: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value).map_err(|_| invalid(py, format!("{name} must be >= 0, got {value}")))
+}
+
 /// `(keys, input_length, stream, session)` of a relay keying, for Python.
 fn keyed_tuple<'py>(py: Python<'py>, k: Keyed) -> PyResult<Bound<'py, PyTuple>> {
     let session = match k.session {
@@ -302,16 +306,10 @@ impl PyRelay {
                 Some(queue) => Some(AdmissionConfig {
                     queue,
                     max_wait: seconds(py, queue_timeout_s, "queue_timeout_s")?,
-                    patience: Duration::try_from_secs_f64(queue_patience_s).map_err(|_| {
-                        invalid(py, format!("queue_patience_s must be >= 0, got {queue_patience_s}"))
-                    })?,
+                    patience: seconds_or_zero(py, queue_patience_s, "queue_patience_s")?,
                     priority_header: priority_header.to_ascii_lowercase(),
-                    hold: Duration::try_from_secs_f64(queue_hold_s).map_err(|_| {
-                        invalid(py, format!("queue_hold_s must be >= 0, got {queue_hold_s}"))
-                    })?,
-                    hold_yield: Duration::try_from_secs_f64(queue_hold_yield_s).map_err(|_| {
-                        invalid(py, format!("queue_hold_yield_s must be >= 0, got {queue_hold_yield_s}"))
-                    })?,
+                    hold: seconds_or_zero(py, queue_hold_s, "queue_hold_s")?,
+                    hold_yield: seconds_or_zero(py, queue_hold_yield_s, "queue_hold_yield_s")?,
                 }),
             },
             first_tokens,
