@@ -331,3 +331,26 @@ def test_the_simulator_queues_as_the_proxy_does() -> None:
     assert capped.stats["max_in_flight"] <= 2, "one per engine"
     with pytest.raises(InvalidArgumentError, match="max_in_flight"):
         sim.simulate(trace, instances=2, max_in_flight=1.5)
+
+
+def test_the_simulator_holds_rooms_for_sessions_as_the_proxy_does() -> None:
+    """With ``queue_hold_s`` a session's next turn goes to its engine at once, past the
+    sessions waiting there, where without it it waits its turn."""
+    trace = small_trace(sessions=8, turns=3, gap=0.001)
+    grid = {
+        "max_in_flight": [1],
+        "queue_patience_s": [0.0],
+        "queue_hold_s": [0.0, 1.0],
+        "queue_hold_yield_s": [1e9],
+    }
+    runs = sim.sweep(trace, policies=["leastwork"], modes=["tracets"], grid=grid, instances=2)
+    plain, held = sorted(runs, key=lambda r: r.spec.params["queue_hold_s"])
+
+    def later_turns_waited(run: sim.SimResult) -> int:
+        rows = run.records.to_pylist()
+        return sum(1 for r in rows if r["turn"] > 0 and r["router_wait"] > 0)
+
+    assert later_turns_waited(plain) > 0 and later_turns_waited(held) == 0
+    assert held.stats["max_in_flight"] <= 2 and held.stats["finished"] == 24
+    with pytest.raises(InvalidArgumentError, match="queue_hold_s"):
+        sim.simulate(trace, instances=2, max_in_flight=1, queue_hold_s=-1.0)

@@ -59,6 +59,8 @@ PARAM_POLICIES = {
     # Admission at the router (``docs/simulator.md``): every policy reads them.
     "max_in_flight": (*_core.policies(), "capped"),
     "queue_patience_s": (*_core.policies(), "capped"),
+    "queue_hold_s": (*_core.policies(), "capped"),
+    "queue_hold_yield_s": (*_core.policies(), "capped"),
 }
 
 __all__ = [

@@ -135,13 +135,15 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
     let rate: Option<f64> = get(d, "rate")?.extract()?;
     let mode = Mode::from_name(&get(d, "mode")?.extract::<String>()?, rate).map_err(err)?;
     let mut params = PolicyParams::default();
-    let (mut cap, mut patience_s) = (0.0_f64, 0.5_f64);
+    let (mut cap, mut patience_s, mut hold_s, mut hold_yield_s) = (0.0_f64, 0.5_f64, 0.0_f64, 5.0_f64);
     if let Some(pd) = d.get_item("params")? {
         for (k, v) in pd.cast::<PyDict>()?.iter() {
             let name: String = k.extract()?;
             let slot = match name.as_str() {
                 "max_in_flight" => &mut cap,
                 "queue_patience_s" => &mut patience_s,
+                "queue_hold_s" => &mut hold_s,
+                "queue_hold_yield_s" => &mut hold_yield_s,
                 "overload_factor" => &mut params.overload_factor,
                 "hit_ratio_gate" => &mut params.hit_ratio_gate,
                 "cache_threshold" => &mut params.cache_threshold,
@@ -165,7 +167,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
                          cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, delay_weight, \
-                         max_in_flight, queue_patience_s"
+                         max_in_flight, queue_patience_s, queue_hold_s, queue_hold_yield_s"
                         ),
                     ))
                 }
@@ -180,10 +182,15 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
             format!("max_in_flight must be a whole number >= 0 (0: no admission), got {cap}"),
         ));
     }
-    if !(patience_s >= 0.0 && patience_s.is_finite()) {
-        return Err(invalid(py, format!("queue_patience_s must be a finite number >= 0, got {patience_s}")));
+    for (name, v) in
+        [("queue_patience_s", patience_s), ("queue_hold_s", hold_s), ("queue_hold_yield_s", hold_yield_s)]
+    {
+        if !(v >= 0.0 && v.is_finite()) {
+            return Err(invalid(py, format!("{name} must be a finite number >= 0, got {v}")));
+        }
     }
-    let admission = (cap > 0.0).then_some(SimAdmission { max_in_flight: cap as u64, patience_s });
+    let admission =
+        (cap > 0.0).then_some(SimAdmission { max_in_flight: cap as u64, patience_s, hold_s, hold_yield_s });
     let engine = build_params(
         py,
         &get(d, "preset")?.extract::<String>()?,

@@ -13,7 +13,7 @@
 //!
 //! Holds (`hold` > 0): when a session's request ends on an engine, that engine keeps a room
 //! for the session's next request for `hold`: others see one room less there until it comes
-//! (it goes there at once, queue or not) or the hold runs out. No hold is given while a
+//! (it goes there at once, queue or not) or the hold runs out. No room is held while a
 //! request has waited `hold_yield` or longer, so the waiting sessions get in within about
 //! that. Under an in-flight cap this
 //! keeps the sessions being served on their engines while others wait, so the prompts the
@@ -144,9 +144,14 @@ impl Admission {
         }
         let mut q = self.locked();
         let now = Instant::now();
-        if q.order.values().all(|(_, since)| now.duration_since(*since) < self.config.hold_yield) {
+        if !self.yielding(&q, now) {
             q.holds.insert(session.clone(), (instance, now + self.config.hold));
         }
+    }
+
+    /// Whether some request in `q` has waited `hold_yield` by `now`: no room is held then.
+    fn yielding(&self, q: &Queue, now: Instant) -> bool {
+        q.order.values().any(|(_, since)| now.duration_since(*since) >= self.config.hold_yield)
     }
 
     /// The engine holding a room for `session`'s next request, if any, now given up.
@@ -155,14 +160,14 @@ impl Admission {
         (Instant::now() < until).then_some(instance)
     }
 
-    /// Rooms `instance` holds for sessions other than `session`; the holds that ran out
-    /// are dropped. O(holds).
+    /// Rooms `instance` holds for sessions other than `session` (none while a request has
+    /// waited `hold_yield`); the holds that ran out are dropped. O(holds + waiting).
     pub fn held_on(&self, instance: usize, session: Option<&Id>) -> u64 {
         let mut q = self.locked();
-        if q.holds.is_empty() {
+        let now = Instant::now();
+        if q.holds.is_empty() || self.yielding(&q, now) {
             return 0;
         }
-        let now = Instant::now();
         q.holds.retain(|_, (_, until)| now < *until);
         q.holds.iter().filter(|(s, (i, _))| *i == instance && Some(*s) != session).count() as u64
     }
@@ -302,6 +307,11 @@ mod tests {
         assert_eq!(a.held_on(0, None), 0, "the waiting request waited past hold_yield");
         drop(waiting);
         a.hold(&s1, 0);
+        assert_eq!(a.held_on(0, None), 1);
+        let waiting = a.enter(0, None, &stats).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+        assert_eq!(a.held_on(0, None), 0, "a hold given before is not counted either");
+        drop(waiting);
         assert_eq!(a.held_on(0, None), 1);
     }
 }

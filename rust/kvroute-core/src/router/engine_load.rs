@@ -343,8 +343,10 @@ mod tests {
             (0..4).map(|n| r.route(Id::Int(n), &[], 10, None).unwrap().instance).collect();
         assert_eq!(picks, vec![0, 1, 0, 1]);
         assert!(!r.has_room() && r.is_overloaded(0) && r.is_overloaded(1));
+        assert_eq!((r.room_on(0), r.instance_of(&Id::Int(1))), (0, Some(1)));
         r.finish(&Id::Int(1));
         assert!(r.has_room() && !r.is_overloaded(1));
+        assert_eq!((r.room_on(1), r.instance_of(&Id::Int(1))), (1, None));
         // One request beyond the router's own reported on 1: full again.
         r.set_engine_load(1, 2, 0, 0.1).unwrap();
         assert!(!r.has_room());
@@ -352,6 +354,9 @@ mod tests {
         r.finish(&Id::Int(0));
         assert!(r.has_room(), "0 has room");
         assert!(r.has_room_on(0) && !r.has_room_on(1) && !r.has_room_on(7));
+        assert_eq!((r.room_on(0), r.room_on(1), r.room_on(7)), (1, 0, 0));
+        let uncapped = Router::new(1, Policy::RoundRobin, RouterConfig::default()).unwrap();
+        assert_eq!(uncapped.room_on(0), u64::MAX);
     }
 
     #[test]

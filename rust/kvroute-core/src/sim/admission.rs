@@ -12,10 +12,16 @@
 //! and at the end of each engine step (while a request waits, the engine it waits for runs),
 //! so patience runs out at the first step end after it.
 //!
+//! Holds (`hold_s` > 0), as the proxy's: when a session's turn ends on an engine, that engine
+//! keeps a room for the session's next turn until `hold_s` later; the turn goes there at once
+//! when it comes, and other sessions see one room less there meanwhile. No room is held
+//! while a request has waited `hold_yield_s`. The queue is looked at again when a hold runs
+//! out and when a request has waited `hold_yield_s` ([`Waiting::next_change`]).
+//!
 //! [`Waiting::next`] is O(waiters × (keys + instances)) at worst (it stops at the first
 //! request that can go). Owned by one run; not synchronised.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::error::Result;
 use crate::router::{Id, OverloadRule, Router};
@@ -30,6 +36,11 @@ pub struct SimAdmission {
     /// Seconds a request waits for its preferred engine before the first waiting takes any
     /// engine with room (`--queue-patience`).
     pub patience_s: f64,
+    /// Seconds an engine keeps a room for a session's next turn after one ends there
+    /// (`--queue-hold`; 0: no holds).
+    pub hold_s: f64,
+    /// No room is held while a request has waited this long (`--queue-hold-yield`).
+    pub hold_yield_s: f64,
 }
 
 impl SimAdmission {
@@ -50,10 +61,20 @@ pub(super) struct Waiter {
     pub since: f64,
 }
 
-/// The requests waiting, in arrival order.
+/// Where a request leaves the queue for: only `On` that engine, or any engine but those in
+/// `Any` (they hold their rooms for other sessions).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Bind {
+    On(usize),
+    Any(Vec<usize>),
+}
+
+/// The requests waiting, in arrival order, and the engines' held rooms.
 #[derive(Debug, Default)]
 pub(super) struct Waiting {
     list: VecDeque<Waiter>,
+    /// Per session, the engine holding a room for its next turn, and until when.
+    holds: HashMap<u32, (usize, f64)>,
     /// Engines claimed by an earlier waiter during one scan (scratch).
     claimed: Vec<bool>,
 }
@@ -67,18 +88,57 @@ impl Waiting {
         self.list.len()
     }
 
-    /// The next request to route at `t` and where: `Some(instance)`, only there; `None`, any
-    /// engine with room. Removed from the queue; None when no request can go now.
+    /// Session `session`'s turn ended on `instance` at `t`: hold a room there for its next
+    /// turn (see the module doc).
+    pub fn hold(&mut self, a: &SimAdmission, session: u32, instance: usize, t: f64) {
+        if a.hold_s > 0.0 && !self.yielding(a, t) {
+            self.holds.insert(session, (instance, t + a.hold_s));
+        }
+    }
+
+    /// When after `t` the holds next change what waiting requests see (a hold runs out, or a
+    /// request reaches `hold_yield_s`); None while nothing waits or nothing is held.
+    pub fn next_change(&self, a: &SimAdmission, t: f64) -> Option<f64> {
+        if self.list.is_empty() || self.holds.is_empty() || self.yielding(a, t) {
+            return None;
+        }
+        let ends = self.holds.values().map(|&(_, until)| until);
+        let yields = self.list.iter().map(|w| w.since + a.hold_yield_s);
+        ends.chain(yields).filter(|&x| x > t).min_by(f64::total_cmp)
+    }
+
+    /// The engine holding a room for `session`'s next turn at `t`, if any, now given up.
+    pub fn take_hold(&mut self, session: u32, t: f64) -> Option<usize> {
+        self.holds.remove(&session).filter(|&(_, until)| t < until).map(|(i, _)| i)
+    }
+
+    /// Whether a request has waited `hold_yield_s` by `t`: no room is held then.
+    fn yielding(&self, a: &SimAdmission, t: f64) -> bool {
+        self.list.iter().any(|w| t >= w.since + a.hold_yield_s) // as the wake-up is timed
+    }
+
+    /// Rooms `instance` holds at `t` for sessions other than `session`.
+    fn held_on(&self, a: &SimAdmission, instance: usize, session: u32, t: f64) -> u64 {
+        if self.holds.is_empty() || self.yielding(a, t) {
+            return 0;
+        }
+        let held = |(s, &(i, until)): (&u32, &(usize, f64))| *s != session && i == instance && t < until;
+        self.holds.iter().filter(|&h| held(h)).count() as u64
+    }
+
+    /// The next request to route at `t` and where. Removed from the queue; None when no
+    /// request can go now.
     pub fn next(
         &mut self,
         router: &mut Router,
         trace: &SimTrace<'_>,
         t: f64,
-        patience_s: f64,
-    ) -> Option<(Waiter, Option<usize>)> {
+        a: &SimAdmission,
+    ) -> Option<(Waiter, Bind)> {
         if self.list.is_empty() || !router.has_room() {
             return None;
         }
+        self.holds.retain(|_, &mut (_, until)| t < until);
         let n = router.num_instances();
         self.claimed.clear();
         self.claimed.resize(n, false);
@@ -89,13 +149,22 @@ impl Waiting {
             let Some(x) = router.preferred(trace.keys_of(i), input, Some(&session)) else {
                 continue;
             };
-            if router.has_room_on(x) && !self.claimed[x] {
+            if router.room_on(x) > self.held_on(a, x, w.session, t) && !self.claimed[x] {
                 let w = self.list.remove(k).expect("an index of the list");
-                return Some((w, Some(x)));
+                return Some((w, Bind::On(x)));
             }
             self.claimed[x] = true;
         }
         let first = self.list.front()?;
-        (t - first.since >= patience_s).then(|| (self.list.pop_front().expect("not empty"), None))
+        if t - first.since < a.patience_s {
+            return None;
+        }
+        let held: Vec<usize> =
+            (0..n).filter(|&i| router.room_on(i) <= self.held_on(a, i, first.session, t)).collect();
+        if held.len() == n {
+            return None;
+        }
+        let held = held.into_iter().filter(|&i| router.room_on(i) > 0).collect();
+        Some((self.list.pop_front().expect("not empty"), Bind::Any(held)))
     }
 }

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::admission::{SimAdmission, Waiter, Waiting};
+use super::admission::{Bind, SimAdmission, Waiter, Waiting};
 use super::dispatch::{check, launch_times, next_send, Mode};
 use super::engine::{Engine, EngineEvent};
 use super::output::{Records, RunStats, Series, SimOutput, EXCEEDS_KV, OK};
@@ -85,6 +85,8 @@ struct Loop<'a, 't> {
     events: Vec<EngineEvent>,
     admission: Option<SimAdmission>,
     waiting: Waiting,
+    /// When the queue is next looked at for its holds ([`Kind::Admit`]).
+    wake_at: f64,
 }
 
 /// Run one simulation. `cancel` is polled every few thousand events; a cancelled run
@@ -161,6 +163,7 @@ pub fn run(
         events: Vec::new(),
         admission: cfg.admission,
         waiting: Waiting::default(),
+        wake_at: f64::INFINITY,
     };
     let finished = match jobs.as_deref() {
         None => lp.drive(cfg, cancel)?,
@@ -230,6 +233,7 @@ impl Loop<'_, '_> {
                 }
                 Next::Driver(t, Kind::Send(s)) => self.send(s, t)?,
                 Next::Driver(t, Kind::Deliver(row)) => self.deliver(row, t),
+                Next::Driver(t, Kind::Admit) => self.admit(t)?,
                 Next::Segment(t, e) => {
                     self.segment(e as usize, t);
                     self.admit(t)?;
@@ -255,12 +259,16 @@ impl Loop<'_, '_> {
         }
     }
 
-    /// Session `s`'s next turn arrives at the router at `t`: routed at once, or with
-    /// admission queued until [`Loop::admit`] lets it go.
+    /// Session `s`'s next turn arrives at the router at `t`: routed at once (to the engine
+    /// holding a room for it, if any), or with admission queued until [`Loop::admit`] lets it
+    /// go.
     fn send(&mut self, s: u32, t: f64) -> Result<()> {
         let row = self.sessions.rows_of(s)[self.pos[s as usize] as usize];
         if self.admission.is_none() {
-            return self.dispatch(row, s, t, t, None);
+            return self.dispatch(row, s, t, t, Bind::Any(Vec::new()));
+        }
+        if let Some(x) = self.waiting.take_hold(s, t).filter(|&x| self.router.room_on(x) > 0) {
+            return self.dispatch(row, s, t, t, Bind::On(x));
         }
         self.waiting.push(Waiter { row, session: s, since: t });
         self.admit(t)
@@ -270,23 +278,29 @@ impl Loop<'_, '_> {
     /// engine step's end: while a request waits, the engine it waits for is running).
     fn admit(&mut self, t: f64) -> Result<()> {
         let Some(a) = self.admission else { return Ok(()) };
-        while let Some((w, only)) = self.waiting.next(&mut self.router, self.trace, t, a.patience_s) {
-            self.dispatch(w.row, w.session, w.since, t, only)?;
+        while let Some((w, bind)) = self.waiting.next(&mut self.router, self.trace, t, &a) {
+            self.dispatch(w.row, w.session, w.since, t, bind)?;
+        }
+        if let Some(at) = self.waiting.next_change(&a, t) {
+            if at < self.wake_at || self.wake_at <= t {
+                self.wake_at = at;
+                self.queue.push(at, Kind::Admit);
+            }
         }
         self.stats.max_waiting = self.stats.max_waiting.max(self.waiting.len() as u64);
         Ok(())
     }
 
-    /// Route trace row `row` of session `s`, which arrived at `arrived`, at `t` (to `only`
-    /// when given), and submit it to its engine.
-    fn dispatch(&mut self, row: u32, s: u32, arrived: f64, t: f64, only: Option<usize>) -> Result<()> {
+    /// Route trace row `row` of session `s`, which arrived at `arrived`, at `t` (as `bind`
+    /// says), and submit it to its engine.
+    fn dispatch(&mut self, row: u32, s: u32, arrived: f64, t: f64, bind: Bind) -> Result<()> {
         let i = row as usize;
         let keys = self.trace.keys_of(i);
         let input = self.trace.input_length[i] as u64;
         let (rid, session) = (Id::Int(i64::from(row)), Id::Int(i64::from(s)));
-        let d = match only {
-            None => self.router.route(rid, keys, input, Some(&session))?,
-            Some(x) => self.router.route_on(x, rid, keys, input, Some(&session))?,
+        let d = match bind {
+            Bind::On(x) => self.router.route_on(x, rid, keys, input, Some(&session))?,
+            Bind::Any(held) => self.router.route_excluding(&held, rid, keys, input, Some(&session))?,
         };
         self.rec.router_wait[i] = t - arrived;
         self.rec.instance[i] = d.instance as i32;
@@ -380,6 +394,10 @@ impl Loop<'_, '_> {
                     self.rec.error[i] = OK;
                     self.stats.finished += 1;
                     self.router.finish(&Id::Int(tag as i64));
+                    if let Some(a) = &self.admission {
+                        let (s, x) = (self.trace.session[i], self.rec.instance[i] as usize);
+                        self.waiting.hold(a, s, x, time);
+                    }
                     self.turn_done(tag as u32, time);
                 }
                 EngineEvent::Tokens { .. } => {}

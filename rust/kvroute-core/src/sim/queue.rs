@@ -22,6 +22,8 @@ pub(crate) enum Kind {
     /// A routed trace row reaches its engine's scheduler (after a busy engine's handling).
     Deliver(u32),
     Sample,
+    /// A room held for a session runs out: the waiting requests are looked at again.
+    Admit,
 }
 
 /// What comes next.

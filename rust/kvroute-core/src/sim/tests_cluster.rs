@@ -121,7 +121,8 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
     let o = synthetic(12, 5);
     for patience_s in [0.0, 0.5, 1e9] {
         for policy in [Policy::LeastWork, Policy::Unified, Policy::RoundRobin] {
-            let admission = Some(SimAdmission { max_in_flight: 1, patience_s });
+            let admission =
+                Some(SimAdmission { max_in_flight: 1, patience_s, hold_s: 0.0, hold_yield_s: 5.0 });
             let out = simulate(&o, &RunConfig { admission, ..config(policy, Mode::Poisson { rate: 4.0 }) });
             let (st, r) = (&out.stats, &out.records);
             assert_eq!((st.finished, st.router_in_flight, st.router_counters_sum), (60, 0, 0));
@@ -142,13 +143,45 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
     assert!(plain.records.router_wait.iter().all(|&w| w == 0.0));
     assert_eq!(plain.stats.max_waiting, 0);
     // A cap never reached changes nothing.
-    let admission = Some(SimAdmission { max_in_flight: 1000, patience_s: 0.5 });
+    let admission =
+        Some(SimAdmission { max_in_flight: 1000, patience_s: 0.5, hold_s: 0.0, hold_yield_s: 5.0 });
     let roomy =
         simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
     assert_eq!(
         (&roomy.records.instance, &roomy.records.finish),
         (&plain.records.instance, &plain.records.finish)
     );
+}
+
+#[test]
+fn with_holds_a_sessions_next_turn_goes_to_its_engine_at_once() {
+    let o = synthetic(12, 5);
+    let admission = Some(SimAdmission { max_in_flight: 1, patience_s: 0.0, hold_s: 30.0, hold_yield_s: 1e9 });
+    let out =
+        simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
+    let r = &out.records;
+    assert_eq!(out.stats.finished, 60);
+    let mut held = 0;
+    for s in 0..12 {
+        let rows: Vec<usize> = (0..60).filter(|&i| o.sess[i] == s).collect();
+        for w in rows.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if r.send[b] - r.finish[a] < 30.0 {
+                assert_eq!((r.instance[b], r.router_wait[b]), (r.instance[a], 0.0), "session {s} row {b}");
+                held += 1;
+            }
+        }
+    }
+    assert!(held > 0);
+    // The cap holds: per engine, a request is routed only once the one before it finished.
+    for e in 0..4 {
+        let mut spans: Vec<(f64, f64)> = (0..60)
+            .filter(|&i| r.instance[i] == e)
+            .map(|i| (r.send[i] + r.router_wait[i], r.finish[i]))
+            .collect();
+        spans.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        assert!(spans.windows(2).all(|w| w[1].0 >= w[0].1), "engine {e}");
+    }
 }
 
 #[test]
