@@ -15,10 +15,11 @@
 //! for the session's next request for `hold`: others see one room less there until it comes
 //! (it goes there at once, queue or not) or the hold runs out. No room is held while a
 //! request has waited `hold_yield` or longer, so the waiting sessions get in within about
-//! that. Under an in-flight cap this
-//! keeps the sessions being served on their engines while others wait, so the prompts the
-//! engines cache are those of the sessions they serve: past the cache's size, taking every
-//! waiting session in turn evicts each one's prompt before its next turn.
+//! that. Under an in-flight cap this keeps the sessions being served on their engines while
+//! others wait, so the prompts the engines cache are those of the sessions they serve: past
+//! the cache's size, taking every waiting session in turn evicts each one's prompt before its
+//! next turn. Holds that ran out are dropped when the queue is looked at, and when their
+//! number doubles.
 //!
 //! Order: a higher priority first (the priority header, an integer, 0 without it); within a
 //! priority, a session's n-th waiting request after every other session's (n-1)-th (so a
@@ -62,7 +63,7 @@ pub struct AdmissionConfig {
     /// How long an engine keeps a room for a session's next request after one ends there
     /// (zero: no holds).
     pub hold: Duration,
-    /// No hold is given while a request has waited this long.
+    /// No room is held while a request has waited this long.
     pub hold_yield: Duration,
 }
 
@@ -79,6 +80,8 @@ struct Queue {
     sessions: HashMap<Id, u64>,
     /// Per session, the engine that keeps a room for its next request, and until when.
     holds: HashMap<Id, (usize, Instant)>,
+    /// Holds kept before those that ran out are dropped.
+    holds_bound: usize,
 }
 
 /// The queue and its wake-ups (see the module doc).
@@ -144,9 +147,14 @@ impl Admission {
         }
         let mut q = self.locked();
         let now = Instant::now();
-        if !self.yielding(&q, now) {
-            q.holds.insert(session.clone(), (instance, now + self.config.hold));
+        if self.yielding(&q, now) {
+            return;
         }
+        if q.holds.len() >= q.holds_bound {
+            q.holds.retain(|_, (_, until)| now < *until);
+            q.holds_bound = (2 * q.holds.len()).max(1024);
+        }
+        q.holds.insert(session.clone(), (instance, now + self.config.hold));
     }
 
     /// Whether some request in `q` has waited `hold_yield` by `now`: no room is held then.
@@ -293,6 +301,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(1));
         assert_eq!(a.held_on(1, None), 0, "run out");
         assert_eq!(a.take_hold(&s2), None);
+        for n in 0..3000 {
+            a.hold(&Id::Int(n), 0);
+        }
+        assert!(a.locked().holds.len() <= 2048, "the ones that ran out are dropped");
     }
 
     #[test]
