@@ -223,7 +223,8 @@ def simulated(
     admission = {
         k: float(v)
         for k, v in cfg.proxy.items()
-        if k in ("max_in_flight", "queue_patience_s") and v is not None
+        if k in ("max_in_flight", "queue_patience_s", "queue_hold_s", "queue_hold_yield_s")
+        and v is not None
     }
     if not admission.get("max_in_flight") or cfg.proxy.get("queue_size") is None:
         admission = {}  # no admission
