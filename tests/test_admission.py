@@ -199,6 +199,50 @@ def test_an_engine_holds_a_room_for_a_sessions_next_turn() -> None:
         assert queue(proxy)["queued"] == 1
 
 
+def test_a_token_cap_admits_what_fits_beside_the_tokens_in_flight_and_held() -> None:
+    """With ``max_in_flight_tokens`` (no request cap) an engine takes requests while their
+    prompt tokens fit under the cap, and one alone whatever its length; a held room keeps
+    its session's tokens too, so another session's request waits on an idle engine."""
+    config = {"max_in_flight": None, "max_in_flight_tokens": 4, "queue_size": 8}
+    with stack(1, **config, queue_patience_s=0.0) as (url, proxy, (e0,)):
+        first = send(url, [1, 2])
+        wait_until(lambda: e0.arrived == 1, what="the first on the engine")
+        second = send(url, [3, 4])
+        wait_until(lambda: e0.arrived == 2, what="the second beside it: 4 tokens")
+        third = send(url, [5, 6, 7])
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="the third to wait")
+        e0.release()
+        first["thread"].join()
+        assert queue(proxy)["waiting"] == 1, "2 tokens in flight and 3 do not fit under 4"
+        e0.release()
+        wait_until(lambda: e0.arrived == 3, what="the third once the engine is empty")
+        e0.release()
+        long = send(url, list(range(1, 11)))
+        wait_until(lambda: e0.arrived == 4, what="10 tokens alone on an empty engine")
+        e0.release()
+        for r in (first, second, third, long):
+            r["thread"].join()
+            assert r["status"] == 200
+    a, b = {"X-Session-Id": "a"}, {"X-Session-Id": "b"}
+    with stack(1, **config, queue_patience_s=0.0, queue_hold_s=1.0) as (url, proxy, (e0,)):
+        first = send(url, [1, 2, 3], a)
+        wait_until(lambda: e0.arrived == 1, what="a's first turn")
+        e0.release()
+        first["thread"].join()
+        other = send(url, [4, 5], b)
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="b to wait: 3 tokens held")
+        assert proxy.router.in_flight == 0
+        second = send(url, [1, 2, 3, 6], a)
+        wait_until(lambda: e0.arrived == 2, what="a's second turn at once")
+        e0.release()
+        wait_until(lambda: e0.arrived == 3, what="b once a's hold ran out")
+        e0.release()
+        for r in (second, other):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert e0.served == [[1, 2, 3], [1, 2, 3, 6], [4, 5]]
+
+
 def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
     with stack(1, queue_size=1, queue_timeout_s=0.5) as (url, proxy, (e0,)):
         busy = send(url, [1])
@@ -280,6 +324,7 @@ def test_without_a_queue_overloaded_engines_all_take_part() -> None:
     [
         {"queue_size": -1},
         {"max_in_flight": 0},
+        {"max_in_flight_tokens": 0},
         {"queue_timeout_s": 0},
         {"queue_patience_s": -1},
         {"queue_hold_s": -1},
@@ -354,3 +399,27 @@ def test_the_simulator_holds_rooms_for_sessions_as_the_proxy_does() -> None:
     assert held.stats["max_in_flight"] <= 2 and held.stats["finished"] == 24
     with pytest.raises(InvalidArgumentError, match="queue_hold_s"):
         sim.simulate(trace, instances=2, max_in_flight=1, queue_hold_s=-1.0)
+
+
+def test_the_simulator_caps_prompt_tokens_in_flight_as_the_proxy_does() -> None:
+    """``max_in_flight_tokens`` alone turns admission on: requests wait, and more than one
+    request runs on an engine when their prompts fit."""
+    trace = small_trace(sessions=8, turns=3, gap=0.001)
+    longest = max(trace.column("input_length").to_pylist())
+    grid = {"max_in_flight_tokens": [0, 2 * longest], "queue_patience_s": [0.0]}
+    runs = sim.sweep(trace, policies=["leastwork"], modes=["tracets"], grid=grid, instances=2)
+    free, capped = sorted(runs, key=lambda r: r.spec.params["max_in_flight_tokens"])
+    assert free.stats["max_waiting"] == 0
+    assert capped.stats["max_waiting"] > 0 and capped.stats["finished"] == 24
+    rows = capped.records.to_pylist()
+    for r in rows:
+        at = r["send"] + r["router_wait"]
+        on = [
+            o["input_length"]
+            for o in rows
+            if o["instance"] == r["instance"] and o["send"] + o["router_wait"] <= at < o["finish"]
+        ]
+        assert sum(on) <= 2 * longest, (r, on)
+    assert capped.stats["max_in_flight"] > 2, "more than one request per engine"
+    with pytest.raises(InvalidArgumentError, match="max_in_flight_tokens"):
+        sim.simulate(trace, instances=2, max_in_flight_tokens=-5)

@@ -1,5 +1,6 @@
 """What ``kvroute proxy`` finds out about its backends before it starts
-(``kvroute.proxy.discover``): the engines' KV block size from ``vllm:cache_config_info``."""
+(``kvroute.proxy.discover``): the engines' KV block size and capacity from
+``vllm:cache_config_info``."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from click.testing import CliRunner
 
 from kvroute.emulator import EmulatorConfig, emulator_app
 from kvroute.proxy import ServerThread
-from kvroute.proxy.discover import FALLBACK_BLOCK_SIZE, block_size
+from kvroute.proxy.discover import FALLBACK_BLOCK_SIZE, block_size, kv_tokens
 
 DEAD = "http://127.0.0.1:9"
 
 
-def _engines(*kv_block_sizes: int) -> tuple[ServerThread, list[str]]:
+def _engines(*kv_block_sizes: int, capacity: int | None = None) -> tuple[ServerThread, list[str]]:
     st = ServerThread()
+    overrides: dict[str, int] = {} if capacity is None else {"kv_capacity_tokens": capacity}
     urls = [
-        st.start(emulator_app(EmulatorConfig(overrides={"kv_block_size": size})))
+        st.start(emulator_app(EmulatorConfig(overrides={**overrides, "kv_block_size": size})))
         for size in kv_block_sizes
     ]
     return st, urls
@@ -103,3 +105,31 @@ def test_the_proxy_command_says_how_it_keys_text() -> None:
         st.close()
     assert "kvroute proxy: keys text with approx (no folder of" in done.output, done.output
     assert both.exit_code == 2 and "alternatives" in both.output
+
+
+def test_a_token_cap_of_cache_is_the_smallest_engines_kv_capacity() -> None:
+    """``--max-in-flight-tokens cache``: the smallest ``num_gpu_blocks`` x ``block_size`` the
+    backends report, said at start; an error naming the option when none reports one, and
+    for a cap that is neither a number >= 1 nor ``cache``."""
+    from kvroute.cli import main
+
+    st, urls = _engines(32, capacity=8192)
+    st2, small = _engines(16, capacity=4096)
+    try:
+        assert kv_tokens([*urls, small[0], DEAD]) == (
+            4096,
+            "the smallest KV cache of 2 of 3 backend(s)",
+        )
+        args = ["proxy", "--backend", urls[0], "--host", "256.0.0.1", "--port", "1"]
+        done = CliRunner().invoke(main, [*args, "--max-in-flight-tokens", "cache"])
+    finally:
+        st.close()
+        st2.close()
+    assert "at most 8192 prompt tokens in flight per engine" in done.output, done.output
+    assert kv_tokens([DEAD])[0] is None
+    dead = ["proxy", "--backend", DEAD, "--block-size", "16", "--tokenizer", "approx"]
+    done = CliRunner().invoke(main, [*dead, "--max-in-flight-tokens", "cache"])
+    assert done.exit_code == 2 and "--max-in-flight-tokens cache: no backend" in done.output
+    for bad in ("0", "lots"):
+        done = CliRunner().invoke(main, [*dead, "--max-in-flight-tokens", bad])
+        assert done.exit_code == 2 and "neither a number of tokens" in done.output, done.output

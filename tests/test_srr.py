@@ -117,6 +117,10 @@ def test_the_simulator_routes_with_the_proxys_parameters(monkeypatch: pytest.Mon
     queue = {"max_in_flight": [4.0], "queue_patience_s": [0.5], "queue_hold_s": [1.0]}
     assert grids == {"unified_dynamo": {"overlap_weight": [8.0], **queue}, "leastwork": queue}
     assert got["rates"]["leastwork"]["upper"] is None, "every fake probe passed"
+    # A token cap alone turns the simulated queue on too.
+    tokens = {"max_in_flight_tokens": 12288, "queue_size": 8}
+    srr.simulated(trace, config(policies=("leastwork",), proxy=tokens), engine={}, factors=(1.0,))
+    assert grids["leastwork"] == {"max_in_flight_tokens": [12288.0]}
 
 
 def test_think_times_are_scaled() -> None:

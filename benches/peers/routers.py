@@ -187,6 +187,48 @@ ARMS: dict[str, Arm] = {
             )
             for n in (3, 4)
         ),
+        # ... a cap in prompt tokens instead, sized to the engines' KV cache: the sessions
+        # served on an engine (in flight and held) are those whose prompts its cache holds.
+        Arm(
+            "kvroute-tokens",
+            "kvroute",
+            _kvroute(
+                "--max-in-flight-tokens", "cache", "--queue-size", "1024", "--queue-hold", "1"
+            ),
+        ),
+        Arm(
+            "kvroute-tokens-hold4",
+            "kvroute",
+            _kvroute(
+                "--max-in-flight-tokens",
+                "cache",
+                "--max-in-flight",
+                "4",
+                "--queue-size",
+                "1024",
+                "--queue-hold",
+                "1",
+            ),
+        ),
+        *(
+            Arm(
+                f"kvroute-tokens-hold4-yield{y}",
+                "kvroute",
+                _kvroute(
+                    "--max-in-flight-tokens",
+                    "cache",
+                    "--max-in-flight",
+                    "4",
+                    "--queue-size",
+                    "1024",
+                    "--queue-hold",
+                    "1",
+                    "--queue-hold-yield",
+                    y,
+                ),
+            )
+            for y in ("1", "2")
+        ),
         Arm(
             "kvroute-hold4-yield2",
             "kvroute",

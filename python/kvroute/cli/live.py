@@ -43,10 +43,32 @@ def _ready(what: str) -> Any:
     return say
 
 
+def token_cap(value: str | None, urls: list[str], who: str) -> int | None:
+    """``--max-in-flight-tokens`` as a number of tokens (at least 1): ``cache`` is the
+    smallest KV capacity the backends report (logged); an error when none reports one."""
+    if value is None or value != "cache":
+        tokens = None if value is None else int(value) if value.isdigit() else 0
+        if tokens is not None and tokens < 1:
+            raise click.BadParameter(
+                f"{value!r} is neither a number of tokens >= 1 nor 'cache'",
+                param_hint="--max-in-flight-tokens",
+            )
+        return tokens
+    from kvroute.proxy.discover import kv_tokens
+
+    tokens, why = kv_tokens(urls)
+    if tokens is None:
+        raise click.UsageError(f"--max-in-flight-tokens cache: {why}; give a number of tokens")
+    click.echo(
+        f"kvroute {who}: at most {tokens} prompt tokens in flight per engine ({why})", err=True
+    )
+    return tokens
+
+
 def admission_options(f: F) -> F:
-    """``--max-in-flight``, ``--queue-size``, ``--queue-patience``, ``--queue-hold`` and
-    ``--queue-hold-yield`` (``docs/proxy.md``, "Admission"), for the proxy and for the
-    commands that run one."""
+    """``--max-in-flight``, ``--max-in-flight-tokens``, ``--queue-size``,
+    ``--queue-patience``, ``--queue-hold`` and ``--queue-hold-yield`` (``docs/proxy.md``,
+    "Admission"), for the proxy and for the commands that run one."""
     options = [
         click.option(
             "--max-in-flight",
@@ -56,12 +78,21 @@ def admission_options(f: F) -> F:
             "fewer [default: off].",
         ),
         click.option(
+            "--max-in-flight-tokens",
+            default=None,
+            metavar="TOKENS|cache",
+            help="Leave out an engine with this many prompt tokens in flight; with --queue-size, "
+            "a request waits until its tokens fit beside those in flight and held there. "
+            "'cache': the engines' KV capacity (vllm:cache_config_info) [default: off].",
+        ),
+        click.option(
             "--queue-size",
             default=None,
             type=click.IntRange(min=0),
             help="Admission: while the engine a request's policy prefers is over a limit "
-            "(--max-in-flight, --overload-*), up to this many requests wait at the router, "
-            "routed when it has room [default: off: all engines take part].",
+            "(--max-in-flight, --max-in-flight-tokens, --overload-*), up to this many "
+            "requests wait at the router, routed when it has room [default: off: all engines "
+            "take part].",
         ),
         click.option(
             "--queue-patience",
@@ -76,7 +107,8 @@ def admission_options(f: F) -> F:
             default=0.0,
             show_default=True,
             type=Finite(min=0),
-            help="Seconds an engine keeps a room (under --max-in-flight) for a session's next "
+            help="Seconds an engine keeps a room (under --max-in-flight, and the request's "
+            "tokens under --max-in-flight-tokens) for a session's next "
             "request after one ends there, so the sessions being served keep their engines.",
         ),
         click.option(
@@ -303,6 +335,7 @@ def proxy(**kw: Any) -> None:
             overload_waiting=kw["overload_waiting"],
             overload_kv_usage=kw["overload_kv_usage"],
             max_in_flight=kw["max_in_flight"],
+            max_in_flight_tokens=token_cap(kw["max_in_flight_tokens"], kw["backends"], "proxy"),
             queue_size=kw["queue_size"],
             queue_timeout_s=kw["queue_timeout"],
             queue_patience_s=kw["queue_patience"],

@@ -13,7 +13,7 @@ from rich.table import Table
 
 import kvroute
 from kvroute.cli.common import BadInput, Finite, output_option
-from kvroute.cli.live import admission_options
+from kvroute.cli.live import admission_options, token_cap
 from kvroute.cli.report import cause_rule_options
 from kvroute.errors import KvrouteError
 from kvroute.files import write_text
@@ -89,6 +89,7 @@ def srr(
     model: str | None,
     engine_profile: Path | None,
     max_in_flight: int | None,
+    max_in_flight_tokens: str | None,
     queue_size: int | None,
     queue_patience: float,
     queue_hold: float,
@@ -119,6 +120,9 @@ def srr(
         }
         if max_in_flight is not None:
             proxy["max_in_flight"] = max_in_flight
+        tokens = token_cap(max_in_flight_tokens, list(urls), "bench srr")
+        if tokens is not None:
+            proxy["max_in_flight_tokens"] = tokens
         if queue_size is not None:
             proxy["queue_size"] = queue_size
         cfg = srr_api.SrrConfig(

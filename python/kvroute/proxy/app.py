@@ -73,7 +73,10 @@ class Proxy:
             len(config.backends), config.policy, **{**options, **config.policy_options()}
         )
         self.router.set_overload_rule(
-            config.overload_waiting, config.overload_kv_usage, config.max_in_flight
+            config.overload_waiting,
+            config.overload_kv_usage,
+            config.max_in_flight,
+            config.max_in_flight_tokens,
         )
         self.pool = BackendPool(config, self.router)
         self.loads = EngineLoads(self.pool, self.router, config.load_interval_s)

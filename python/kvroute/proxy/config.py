@@ -84,6 +84,9 @@ class ProxyConfig:
     overload_kv_usage: float | None = None
     #: Leave out an engine with this many requests in flight (as the policies read them).
     max_in_flight: int | None = None
+    #: Leave out an engine with this many prompt tokens in flight; admission binds a request
+    #: only where its tokens fit beside them and those held (``docs/proxy.md``).
+    max_in_flight_tokens: int | None = None
     #: Admission (``docs/proxy.md``, "Admission"): while every engine is overloaded, up to
     #: this many requests wait in the router's queue (None: none wait, all engines take part).
     queue_size: int | None = None
@@ -93,7 +96,7 @@ class ProxyConfig:
     #: the queue takes any engine with room.
     queue_patience_s: float = 0.5
     #: Seconds an engine keeps a room for a session's next request after one ends there (0:
-    #: no holds); counted against ``max_in_flight``.
+    #: no holds); counted against ``max_in_flight`` and ``max_in_flight_tokens``.
     queue_hold_s: float = 0.0
     #: No hold is given while a request has waited this many seconds.
     queue_hold_yield_s: float = 5.0
@@ -142,8 +145,9 @@ class ProxyConfig:
                 raise InvalidArgumentError(f"{name} must be positive")
         if self.overload_waiting is not None and self.overload_waiting < 1:
             raise InvalidArgumentError("overload_waiting must be at least 1")
-        if self.max_in_flight is not None and self.max_in_flight < 1:
-            raise InvalidArgumentError("max_in_flight must be at least 1")
+        for name in ("max_in_flight", "max_in_flight_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be at least 1")
         if self.queue_size is not None and self.queue_size < 0:
             raise InvalidArgumentError("queue_size must be at least 0")
         if not 0 <= self.queue_patience_s < 1e9:

@@ -4,6 +4,8 @@ match them:
 * the engines' KV block size, from ``vllm:cache_config_info`` in each one's ``/metrics`` (the
   router's keys are then the engines' blocks, and a prefix's hit is counted in the blocks the
   engine caches);
+* the engines' KV capacity in tokens (``num_gpu_blocks`` x ``block_size``, the smallest
+  engine's), for ``--max-in-flight-tokens cache``;
 * the served model's folder, when this machine has it (:func:`model_folder`): the ``root``
   that ``/v1/models`` names (the path vLLM loaded, or a Hugging Face hub name), as a folder
   with a ``tokenizer.json``, or found in the local Hugging Face hub cache; text and chat are
@@ -42,10 +44,24 @@ def _get(url: str, path: str) -> str | None:
         return None
 
 
-def _block_size(url: str) -> int | None:
+def _capacity(url: str) -> tuple[int, int] | None:
     text = _get(url, "/metrics")
-    found = None if text is None else kv_capacity(text)
+    return None if text is None else kv_capacity(text)
+
+
+def _block_size(url: str) -> int | None:
+    found = _capacity(url)
     return None if found is None else found[1]
+
+
+def kv_tokens(urls: list[str]) -> tuple[int | None, str]:
+    """The smallest KV capacity in tokens the backends report (``vllm:cache_config_info``),
+    or None; and why (for the log)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(urls), 16))) as pool:
+        told = [c[0] * c[1] for c in pool.map(_capacity, urls) if c is not None]
+    if not told:
+        return None, "no backend reported vllm:cache_config_info"
+    return min(told), f"the smallest KV cache of {len(told)} of {len(urls)} backend(s)"
 
 
 def _root(url: str) -> str | None:
@@ -129,4 +145,4 @@ def block_size(urls: list[str]) -> tuple[int, str]:
     return size, f"vllm:cache_config_info of {count} of {len(urls)} backend(s)"
 
 
-__all__ = ["FALLBACK_BLOCK_SIZE", "block_size", "local_folder", "model_folder"]
+__all__ = ["FALLBACK_BLOCK_SIZE", "block_size", "kv_tokens", "local_folder", "model_folder"]

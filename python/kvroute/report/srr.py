@@ -38,6 +38,14 @@ from kvroute.sim import RateResult, next_probe, session_rate
 
 #: The multiples of the sustainable rate whose slow requests are labelled (the study's B5).
 FACTORS = (0.9, 1.0, 1.1)
+#: The proxy's admission settings the simulator reads under the same names.
+ADMISSION_PARAMS = (
+    "max_in_flight",
+    "max_in_flight_tokens",
+    "queue_patience_s",
+    "queue_hold_s",
+    "queue_hold_yield_s",
+)
 
 #: A probe: (policy, rate in sessions/s, seed of the arrivals) -> the run's records.
 Probe = Callable[[str, float, int], pa.Table]
@@ -221,12 +229,10 @@ def simulated(
 
     trace = scaled(trace, cfg)
     admission = {
-        k: float(v)
-        for k, v in cfg.proxy.items()
-        if k in ("max_in_flight", "queue_patience_s", "queue_hold_s", "queue_hold_yield_s")
-        and v is not None
+        k: float(v) for k, v in cfg.proxy.items() if k in ADMISSION_PARAMS and v is not None
     }
-    if not admission.get("max_in_flight") or cfg.proxy.get("queue_size") is None:
+    capped = admission.get("max_in_flight") or admission.get("max_in_flight_tokens")
+    if not capped or cfg.proxy.get("queue_size") is None:
         admission = {}  # no admission
 
     def params(policy: str) -> dict[str, list[float]]:

@@ -58,6 +58,7 @@ PARAM_POLICIES = {
     "delay_weight": ("ttft",),
     # Admission at the router (``docs/simulator.md``): every policy reads them.
     "max_in_flight": (*_core.policies(), "capped"),
+    "max_in_flight_tokens": (*_core.policies(), "capped"),
     "queue_patience_s": (*_core.policies(), "capped"),
     "queue_hold_s": (*_core.policies(), "capped"),
     "queue_hold_yield_s": (*_core.policies(), "capped"),

@@ -280,20 +280,22 @@ impl PyRouter {
 
     /// Leave out of decisions an engine whose waiting requests (reported, plus those sent
     /// since) reach `waiting`, whose KV usage reaches `kv_usage`, or whose requests in flight
-    /// (as the policies read them) reach `in_flight`, while another is under all three (None:
-    /// that signal unused; all None: off).
-    #[pyo3(signature = (waiting = None, kv_usage = None, in_flight = None))]
+    /// (as the policies read them) reach `in_flight`, or whose prompt tokens in flight reach
+    /// `tokens`, while another is under all four (None: that signal unused; all None: off).
+    #[pyo3(signature = (waiting = None, kv_usage = None, in_flight = None, tokens = None))]
     fn set_overload_rule(
         &self,
         py: Python<'_>,
         waiting: Option<IntArg>,
         kv_usage: Option<RealArg>,
         in_flight: Option<IntArg>,
+        tokens: Option<IntArg>,
     ) -> PyResult<()> {
         let rule = OverloadRule {
             waiting: waiting.map(|w| w.get(py, "waiting", 1, u64::MAX.into())).transpose()?,
             kv_usage: kv_usage.map(|k| k.get(py, "kv_usage", 0.0)).transpose()?,
             in_flight: in_flight.map(|w| w.get(py, "in_flight", 1, u64::MAX.into())).transpose()?,
+            tokens: tokens.map(|w| w.get(py, "tokens", 1, u64::MAX.into())).transpose()?,
         };
         self.lock().set_overload_rule(rule).map_err(|e| to_py(py, e))
     }

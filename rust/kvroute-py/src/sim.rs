@@ -135,12 +135,14 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
     let rate: Option<f64> = get(d, "rate")?.extract()?;
     let mode = Mode::from_name(&get(d, "mode")?.extract::<String>()?, rate).map_err(err)?;
     let mut params = PolicyParams::default();
-    let (mut cap, mut patience_s, mut hold_s, mut hold_yield_s) = (0.0_f64, 0.5_f64, 0.0_f64, 5.0_f64);
+    let (mut cap, mut tokens, mut patience_s) = (0.0_f64, 0.0_f64, 0.5_f64);
+    let (mut hold_s, mut hold_yield_s) = (0.0_f64, 5.0_f64);
     if let Some(pd) = d.get_item("params")? {
         for (k, v) in pd.cast::<PyDict>()?.iter() {
             let name: String = k.extract()?;
             let slot = match name.as_str() {
                 "max_in_flight" => &mut cap,
+                "max_in_flight_tokens" => &mut tokens,
                 "queue_patience_s" => &mut patience_s,
                 "queue_hold_s" => &mut hold_s,
                 "queue_hold_yield_s" => &mut hold_yield_s,
@@ -167,7 +169,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
                          cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, delay_weight, \
-                         max_in_flight, queue_patience_s, queue_hold_s, queue_hold_yield_s"
+                         max_in_flight, max_in_flight_tokens, queue_patience_s, queue_hold_s, queue_hold_yield_s"
                         ),
                     ))
                 }
@@ -176,11 +178,10 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
         }
     }
     params.validate().map_err(err)?;
-    if !(cap >= 0.0 && cap.fract() == 0.0 && cap < 2f64.powi(53)) {
-        return Err(invalid(
-            py,
-            format!("max_in_flight must be a whole number >= 0 (0: no admission), got {cap}"),
-        ));
+    for (name, v) in [("max_in_flight", cap), ("max_in_flight_tokens", tokens)] {
+        if !(v >= 0.0 && v.fract() == 0.0 && v < 2f64.powi(53)) {
+            return Err(invalid(py, format!("{name} must be a whole number >= 0 (0: no cap), got {v}")));
+        }
     }
     for (name, v) in
         [("queue_patience_s", patience_s), ("queue_hold_s", hold_s), ("queue_hold_yield_s", hold_yield_s)]
@@ -189,8 +190,15 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
             return Err(invalid(py, format!("{name} must be a finite number >= 0, got {v}")));
         }
     }
-    let admission =
-        (cap > 0.0).then_some(SimAdmission { max_in_flight: cap as u64, patience_s, hold_s, hold_yield_s });
+    let cap_of = |v: f64| (v > 0.0).then_some(v as u64);
+    let (max_in_flight, max_tokens) = (cap_of(cap), cap_of(tokens));
+    let admission = (max_in_flight.is_some() || max_tokens.is_some()).then_some(SimAdmission {
+        max_in_flight,
+        max_tokens,
+        patience_s,
+        hold_s,
+        hold_yield_s,
+    });
     let engine = build_params(
         py,
         &get(d, "preset")?.extract::<String>()?,

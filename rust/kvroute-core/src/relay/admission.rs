@@ -1,6 +1,7 @@
 //! Admission at the router: while the engine a request's policy prefers has no room (it is
-//! overloaded by the router's rule: its reported waiting requests or KV usage, or its
-//! requests in flight at the cap), generation requests wait in a bounded queue, and each is
+//! overloaded by the router's rule: its reported waiting requests or KV usage, its requests
+//! or their prompt tokens in flight at the cap, or the request's tokens do not fit under the
+//! token cap: [`crate::Router::takes`]), generation requests wait in a bounded queue, and each is
 //! routed (bound to an engine) only when one has room, on the cache and load view of that
 //! moment (late binding).
 //!
@@ -12,10 +13,10 @@
 //! engine does not idle long while the queue waits for another.
 //!
 //! Holds (`hold` > 0): when a session's request ends on an engine, that engine keeps a room
-//! for the session's next request for `hold`: others see one room less there until it comes
-//! (it goes there at once, queue or not) or the hold runs out. No room is held while a
-//! request has waited `hold_yield` or longer, so the waiting sessions get in within about
-//! that. Under an in-flight cap this keeps the sessions being served on their engines while
+//! (and, under a token cap, the request's prompt tokens) for the session's next request for
+//! `hold`: others see one room less there until it comes (it goes there at once, queue or
+//! not, when its tokens fit there) or the hold runs out. No room is held while a request has
+//! waited `hold_yield` or longer, so the waiting sessions get in within about that. Under an in-flight cap this keeps the sessions being served on their engines while
 //! others wait, so the prompts the engines cache are those of the sessions they serve: past
 //! the cache's size, taking every waiting session in turn evicts each one's prompt before its
 //! next turn. Holds that ran out are dropped when the queue is looked at, and when their
@@ -78,8 +79,9 @@ struct Queue {
     order: BTreeMap<Place, (Option<usize>, Instant)>,
     /// Requests waiting per session.
     sessions: HashMap<Id, u64>,
-    /// Per session, the engine that keeps a room for its next request, and until when.
-    holds: HashMap<Id, (usize, Instant)>,
+    /// Per session, the engine that keeps a room for its next request, the prompt tokens
+    /// held with it, and until when.
+    holds: HashMap<Id, (usize, u64, Instant)>,
     /// Holds kept before those that ran out are dropped.
     holds_bound: usize,
 }
@@ -139,9 +141,10 @@ impl Admission {
         Some(Ticket { admission: self, place, session: session.cloned(), since })
     }
 
-    /// A request of `session` ended on `instance`: hold a room there for the session's next
-    /// request (when holds are on and no request has waited `hold_yield`). O(waiting).
-    pub fn hold(&self, session: &Id, instance: usize) {
+    /// A request of `session` with `tokens` of prompt ended on `instance`: hold a room there
+    /// for the session's next request (when holds are on and no request has waited
+    /// `hold_yield`). O(waiting).
+    pub fn hold(&self, session: &Id, instance: usize, tokens: u64) {
         if self.config.hold.is_zero() {
             return;
         }
@@ -151,10 +154,10 @@ impl Admission {
             return;
         }
         if q.holds.len() >= q.holds_bound {
-            q.holds.retain(|_, (_, until)| now < *until);
+            q.holds.retain(|_, (_, _, until)| now < *until);
             q.holds_bound = (2 * q.holds.len()).max(1024);
         }
-        q.holds.insert(session.clone(), (instance, now + self.config.hold));
+        q.holds.insert(session.clone(), (instance, tokens, now + self.config.hold));
     }
 
     /// Whether some request in `q` has waited `hold_yield` by `now`: no room is held then.
@@ -164,20 +167,22 @@ impl Admission {
 
     /// The engine holding a room for `session`'s next request, if any, now given up.
     pub fn take_hold(&self, session: &Id) -> Option<usize> {
-        let (instance, until) = self.locked().holds.remove(session)?;
+        let (instance, _, until) = self.locked().holds.remove(session)?;
         (Instant::now() < until).then_some(instance)
     }
 
-    /// Rooms `instance` holds for sessions other than `session` (none while a request has
-    /// waited `hold_yield`); the holds that ran out are dropped. O(holds + waiting).
-    pub fn held_on(&self, instance: usize, session: Option<&Id>) -> u64 {
+    /// Rooms and prompt tokens `instance` holds for sessions other than `session` (none while
+    /// a request has waited `hold_yield`); the holds that ran out are dropped.
+    /// O(holds + waiting).
+    pub fn held_on(&self, instance: usize, session: Option<&Id>) -> (u64, u64) {
         let mut q = self.locked();
         let now = Instant::now();
         if q.holds.is_empty() || self.yielding(&q, now) {
-            return 0;
+            return (0, 0);
         }
-        q.holds.retain(|_, (_, until)| now < *until);
-        q.holds.iter().filter(|(s, (i, _))| *i == instance && Some(*s) != session).count() as u64
+        q.holds.retain(|_, (_, _, until)| now < *until);
+        let held = q.holds.iter().filter(|(s, (i, _, _))| *i == instance && Some(*s) != session);
+        held.fold((0, 0), |(rooms, tokens), (_, (_, t, _))| (rooms + 1, tokens + t))
     }
 
     /// A future that completes at the next [`Admission::wake`] (registered at once).
@@ -288,21 +293,25 @@ mod tests {
     fn an_engine_holds_a_room_for_a_sessions_next_request() {
         let mut a = admission(8);
         let (s1, s2) = (Id::Str("s1".into()), Id::Str("s2".into()));
-        a.hold(&s1, 0);
-        assert_eq!(a.held_on(0, None), 0, "no holds when hold is zero");
+        a.hold(&s1, 0, 100);
+        assert_eq!(a.held_on(0, None), (0, 0), "no holds when hold is zero");
         a.config.hold = Duration::from_secs(60);
-        a.hold(&s1, 0);
-        assert_eq!((a.held_on(0, Some(&s2)), a.held_on(0, None), a.held_on(1, None)), (1, 1, 0));
-        assert_eq!(a.held_on(0, Some(&s1)), 0, "not against the session itself");
-        assert_eq!(a.take_hold(&s1), Some(0));
-        assert_eq!((a.take_hold(&s1), a.held_on(0, None)), (None, 0), "taken once");
+        a.hold(&s1, 0, 100);
+        a.hold(&s2, 0, 50);
+        assert_eq!(
+            (a.held_on(0, Some(&s2)), a.held_on(0, None), a.held_on(1, None)),
+            ((1, 100), (2, 150), (0, 0))
+        );
+        assert_eq!(a.held_on(0, Some(&s1)), (1, 50), "not against the session itself");
+        assert_eq!((a.take_hold(&s1), a.take_hold(&s2)), (Some(0), Some(0)));
+        assert_eq!((a.take_hold(&s1), a.held_on(0, None)), (None, (0, 0)), "taken once");
         a.config.hold = Duration::from_nanos(1);
-        a.hold(&s2, 1);
+        a.hold(&s2, 1, 100);
         std::thread::sleep(Duration::from_millis(1));
-        assert_eq!(a.held_on(1, None), 0, "run out");
+        assert_eq!(a.held_on(1, None), (0, 0), "run out");
         assert_eq!(a.take_hold(&s2), None);
         for n in 0..3000 {
-            a.hold(&Id::Int(n), 0);
+            a.hold(&Id::Int(n), 0, 1);
         }
         assert!(a.locked().holds.len() <= 2048, "the ones that ran out are dropped");
     }
@@ -315,15 +324,15 @@ mod tests {
         let s1 = Id::Str("s1".into());
         let waiting = a.enter(0, None, &stats).unwrap();
         std::thread::sleep(Duration::from_millis(1));
-        a.hold(&s1, 0);
-        assert_eq!(a.held_on(0, None), 0, "the waiting request waited past hold_yield");
+        a.hold(&s1, 0, 100);
+        assert_eq!(a.held_on(0, None), (0, 0), "the waiting request waited past hold_yield");
         drop(waiting);
-        a.hold(&s1, 0);
-        assert_eq!(a.held_on(0, None), 1);
+        a.hold(&s1, 0, 100);
+        assert_eq!(a.held_on(0, None), (1, 100));
         let waiting = a.enter(0, None, &stats).unwrap();
         std::thread::sleep(Duration::from_millis(1));
-        assert_eq!(a.held_on(0, None), 0, "a hold given before is not counted either");
+        assert_eq!(a.held_on(0, None), (0, 0), "a hold given before is not counted either");
         drop(waiting);
-        assert_eq!(a.held_on(0, None), 1);
+        assert_eq!(a.held_on(0, None), (1, 100));
     }
 }

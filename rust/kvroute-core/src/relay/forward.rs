@@ -279,7 +279,7 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
     };
     if let Some(h) = keyed.session.as_ref().and_then(|s| adm.take_hold(s)) {
         let mut router = locked(&sh.router);
-        if router.room_on(h) > 0 {
+        if router.takes(h, keyed.input_length, adm.held_on(h, keyed.session.as_ref())) {
             return Ok((route(&mut router, sh, &job.rid, keyed, Target::On(h)), 0.0));
         }
     }
@@ -316,12 +316,13 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
 /// when that has room and no request before it prefers the same one; when `patient` is false
 /// and it is first in the queue (or `ticket` is None: nobody waits), to any engine with
 /// room; with no engine available at all, at once (to be answered 503 as without admission).
-/// The rooms engines hold for other sessions are not room.
+/// An engine has room when it [`Router::takes`] the request besides the rooms (and tokens) it
+/// holds for other sessions.
 fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patient: bool) -> Option<Routed> {
     let (sh, k) = (&*job.sh, &job.keyed);
     let adm = sh.admission.as_ref()?;
     let session = k.session.as_ref();
-    let room = |router: &Router, i: usize| router.room_on(i) > adm.held_on(i, session);
+    let room = |router: &Router, i: usize| router.takes(i, k.input_length, adm.held_on(i, session));
     let preferred = router.preferred(&k.keys, k.input_length, session);
     if let Some(t) = ticket {
         t.prefer(preferred);
@@ -339,8 +340,8 @@ fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patien
     if !(0..n).any(|i| room(router, i)) {
         return None;
     }
-    let held: Vec<usize> = (0..n).filter(|&i| router.room_on(i) > 0 && !room(router, i)).collect();
-    Some(route(router, sh, &job.rid, k, Target::Any(&held)))
+    let no_room: Vec<usize> = (0..n).filter(|&i| router.room_on(i) > 0 && !room(router, i)).collect();
+    Some(route(router, sh, &job.rid, k, Target::Any(&no_room)))
 }
 
 /// 503 with `Retry-After`: the request was not admitted.

@@ -78,7 +78,7 @@ impl Drop for Job {
         drop(router);
         if let (true, Some(a)) = (finished, &self.sh.admission) {
             if let (true, Some(s), Some(i)) = (self.settled, &self.keyed.session, instance) {
-                a.hold(s, i); // before the wake: a waiter woken sees the room held
+                a.hold(s, i, self.keyed.input_length); // before the wake: a waiter woken sees the room held
             }
             a.wake(); // its engine may have room now
         }

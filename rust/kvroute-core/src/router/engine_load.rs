@@ -5,8 +5,8 @@
 //! Between two reads, the requests this router sent an engine since the last one count as
 //! waiting there too (as SMG credits its dispatches), so that a burst does not all land on the
 //! engine that looked idle. An engine is overloaded when that waiting count reaches the rule's
-//! `waiting`, its KV usage its `kv_usage`, or its requests in flight (as the policies read
-//! them, below) its `in_flight`; an overloaded engine is left out of a decision
+//! `waiting`, its KV usage its `kv_usage`, its requests in flight (as the policies read
+//! them, below) its `in_flight`, or the prompt tokens of those its `tokens`; an overloaded engine is left out of a decision
 //! while an available one is not overloaded, and takes part when every one is (the policies'
 //! formulas are untouched: they choose among the engines left).
 //!
@@ -38,6 +38,10 @@ pub struct OverloadRule {
     /// Requests in flight there as the policies read them (`num_requests`, with the outside
     /// requests under [`LoadSource::Engine`]) at or above which; needs no report.
     pub in_flight: Option<u64>,
+    /// Prompt tokens in flight there (`ongoing_tokens`, with the outside requests' under
+    /// [`LoadSource::Engine`]) at or above which; needs no report. Admission binds a request
+    /// only where its own tokens fit under it too ([`Router::takes`]).
+    pub tokens: Option<u64>,
 }
 
 /// One engine's last report, as routing reads it.
@@ -105,10 +109,8 @@ impl EngineLoads {
         if (0..own.len()).all(|i| outside(i) == 0) {
             return false;
         }
-        let (n, input, prefill) = self.routed;
-        let share = |count: u64, sum: u128| {
-            u64::try_from(u128::from(count) * sum / u128::from(n.max(1))).unwrap_or(u64::MAX)
-        };
+        let (_, input, prefill) = self.routed;
+        let share = |count: u64, sum: u128| self.mean_share(count, sum);
         seen.clear();
         seen.extend(own.iter().enumerate().map(|(i, l)| {
             let Some((report, _)) = self.reports[i] else { return l.clone() };
@@ -122,6 +124,18 @@ impl EngineLoads {
             }
         }));
         true
+    }
+
+    /// `count` requests at the mean of `sum` over the requests routed so far.
+    fn mean_share(&self, count: u64, sum: u128) -> u64 {
+        let n = u128::from(self.routed.0.max(1));
+        u64::try_from(u128::from(count) * sum / n).unwrap_or(u64::MAX)
+    }
+
+    /// The prompt tokens of `i`'s outside requests, at this router's mean request.
+    fn outside_tokens(&self, i: usize) -> u64 {
+        let outside = self.reports[i].map_or(0, |(l, _)| l.outside);
+        self.mean_share(outside, self.routed.1)
     }
 
     /// Whether `i`'s report makes it overloaded by the rule (never without one).
@@ -172,9 +186,10 @@ impl Router {
         if rule.kv_usage.is_some_and(|k| !(0.0..=1.0).contains(&k))
             || rule.waiting == Some(0)
             || rule.in_flight == Some(0)
+            || rule.tokens == Some(0)
         {
             return Err(Error::InvalidArgument(format!(
-                "an overload rule needs waiting >= 1, in_flight >= 1 and kv_usage in [0, 1], got {rule:?}"
+                "an overload rule needs waiting, in_flight and tokens >= 1 and kv_usage in [0, 1], got {rule:?}"
             )));
         }
         self.engine.rule = rule;
@@ -204,8 +219,19 @@ impl Router {
     }
 
     pub(super) fn overloaded(&self, i: usize) -> bool {
-        let in_flight = self.in_flight_on(i);
-        self.engine.rule.in_flight.is_some_and(|cap| in_flight >= cap) || self.engine.reported_over(i)
+        let rule = &self.engine.rule;
+        rule.in_flight.is_some_and(|cap| self.in_flight_on(i) >= cap)
+            || rule.tokens.is_some_and(|cap| self.tokens_on(i) >= cap)
+            || self.engine.reported_over(i)
+    }
+
+    /// Prompt tokens in flight on instance `i` as the token cap counts them.
+    fn tokens_on(&self, i: usize) -> u64 {
+        let outside = match self.config.load_source {
+            LoadSource::Engine => self.engine.outside_tokens(i),
+            LoadSource::Router => 0,
+        };
+        self.loads[i].ongoing_tokens.saturating_add(outside)
     }
 
     /// Requests in flight on instance `i` as the in-flight cap counts them.
@@ -228,6 +254,20 @@ impl Router {
             Some(cap) => cap.saturating_sub(self.in_flight_on(i)),
             None => u64::MAX,
         }
+    }
+
+    /// Whether instance `i` takes a request of `input_length` tokens now, with `held` rooms
+    /// and prompt tokens kept there for other sessions' next requests (admission's holds):
+    /// it has more room than the rooms held ([`Router::room_on`]) and, under a token cap, its
+    /// tokens in flight, the held ones and the request's stay within the cap (an engine with
+    /// nothing in flight or held takes a request of any length).
+    pub fn takes(&self, i: usize, input_length: u64, held: (u64, u64)) -> bool {
+        if self.room_on(i) <= held.0 {
+            return false;
+        }
+        let Some(cap) = self.engine.rule.tokens else { return true };
+        let used = self.tokens_on(i).saturating_add(held.1);
+        used == 0 || used.saturating_add(input_length) <= cap
     }
 
     /// Whether some available instance is not overloaded: a request routed now has room
@@ -275,7 +315,12 @@ mod tests {
     #[test]
     fn an_overloaded_engine_is_left_out_while_another_is_not() {
         let mut r = Router::new(2, Policy::RoundRobin, RouterConfig::default()).unwrap();
-        r.set_overload_rule(OverloadRule { waiting: Some(3), kv_usage: Some(0.9), in_flight: None }).unwrap();
+        r.set_overload_rule(OverloadRule {
+            waiting: Some(3),
+            kv_usage: Some(0.9),
+            ..OverloadRule::default()
+        })
+        .unwrap();
         r.set_engine_load(0, 4, 3, 0.5).unwrap(); // waiting at the threshold
         let mut picks = Vec::new();
         for n in 0..4 {
@@ -300,6 +345,7 @@ mod tests {
         assert!(r.set_engine_load(0, 0, 0, 1.5).is_err());
         assert!(r.set_overload_rule(OverloadRule { waiting: Some(0), ..OverloadRule::default() }).is_err());
         assert!(r.set_overload_rule(OverloadRule { in_flight: Some(0), ..OverloadRule::default() }).is_err());
+        assert!(r.set_overload_rule(OverloadRule { tokens: Some(0), ..OverloadRule::default() }).is_err());
     }
 
     #[test]
@@ -357,6 +403,25 @@ mod tests {
         assert_eq!((r.room_on(0), r.room_on(1), r.room_on(7)), (1, 0, 0));
         let uncapped = Router::new(1, Policy::RoundRobin, RouterConfig::default()).unwrap();
         assert_eq!(uncapped.room_on(0), u64::MAX);
+    }
+
+    #[test]
+    fn a_token_cap_takes_what_fits_and_anything_on_an_empty_engine() {
+        let mut r = Router::new(2, Policy::RoundRobin, RouterConfig::default()).unwrap();
+        r.set_overload_rule(OverloadRule { tokens: Some(1000), ..OverloadRule::default() }).unwrap();
+        assert!(r.takes(0, 5000, (0, 0)), "an empty engine takes any length");
+        assert!(!r.takes(0, 600, (0, 500)), "nor with tokens held for another session");
+        assert!(!r.takes(0, 10, (u64::MAX, 0)), "nor with every room held");
+        assert_eq!(r.route(Id::Int(0), &[], 600, None).unwrap().instance, 0);
+        assert!(r.takes(0, 400, (0, 0)) && !r.takes(0, 401, (0, 0)) && !r.takes(0, 400, (0, 1)));
+        assert!(!r.is_overloaded(0));
+        assert_eq!(r.route(Id::Int(1), &[], 10, None).unwrap().instance, 1);
+        assert_eq!(r.route(Id::Int(2), &[], 400, None).unwrap().instance, 0);
+        assert!(r.is_overloaded(0) && !r.takes(0, 1, (0, 0)) && r.takes(1, 990, (0, 0)));
+        r.finish(&Id::Int(0));
+        assert!(!r.is_overloaded(0) && r.takes(0, 600, (0, 0)));
+        let free = Router::new(1, Policy::RoundRobin, RouterConfig::default()).unwrap();
+        assert!(free.takes(0, u64::MAX, (0, u64::MAX)), "no cap");
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! Admission in the simulator: the proxy's queue (`docs/proxy.md` "Admission") on the
 //! virtual clock, so a policy with and without admission can be compared offline.
 //!
-//! An engine with `max_in_flight` requests routed to it and not finished has no room. A
+//! An engine with `max_in_flight` requests routed to it and not finished has no room, nor,
+//! under `max_tokens`, one where the request's prompt tokens do not fit beside those in
+//! flight and held ([`Router::takes`]: an engine with nothing in flight takes any). A
 //! request waits while the engine its policy prefers ([`Router::preferred`]: the pick among
 //! all engines, full ones included) has none; it goes there once that engine has room and no
 //! request before it prefers the same engine. After `patience_s`, the first waiting request
@@ -13,7 +15,8 @@
 //! so patience runs out at the first step end after it.
 //!
 //! Holds (`hold_s` > 0), as the proxy's: when a session's turn ends on an engine, that engine
-//! keeps a room for the session's next turn until `hold_s` later; the turn goes there at once
+//! keeps a room (and the turn's prompt tokens) for the session's next turn until `hold_s`
+//! later; the turn goes there at once (when its own tokens fit there, else it waits)
 //! when it comes, and other sessions see one room less there meanwhile. No room is held
 //! while a request has waited `hold_yield_s`. The queue is looked at again when a hold runs
 //! out and when a request has waited `hold_yield_s` ([`Waiting::next_change`]).
@@ -31,8 +34,10 @@ use super::trace::SimTrace;
 /// Admission's settings in a run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimAdmission {
-    /// Requests in flight per engine at most (the proxy's `--max-in-flight`).
-    pub max_in_flight: u64,
+    /// Requests in flight per engine at most (the proxy's `--max-in-flight`; None: no cap).
+    pub max_in_flight: Option<u64>,
+    /// Prompt tokens in flight per engine at most (`--max-in-flight-tokens`; None: no cap).
+    pub max_tokens: Option<u64>,
     /// Seconds a request waits for its preferred engine before the first waiting takes any
     /// engine with room (`--queue-patience`).
     pub patience_s: f64,
@@ -44,10 +49,11 @@ pub struct SimAdmission {
 }
 
 impl SimAdmission {
-    /// Set the router's overload rule to the in-flight cap.
+    /// Set the router's overload rule to the caps.
     pub(super) fn apply(&self, router: &mut Router) -> Result<()> {
         router.set_overload_rule(OverloadRule {
-            in_flight: Some(self.max_in_flight),
+            in_flight: self.max_in_flight,
+            tokens: self.max_tokens,
             ..OverloadRule::default()
         })
     }
@@ -73,8 +79,9 @@ pub(super) enum Bind {
 #[derive(Debug, Default)]
 pub(super) struct Waiting {
     list: VecDeque<Waiter>,
-    /// Per session, the engine holding a room for its next turn, and until when.
-    holds: HashMap<u32, (usize, f64)>,
+    /// Per session, the engine holding a room for its next turn, the prompt tokens held with
+    /// it, and until when.
+    holds: HashMap<u32, (usize, u64, f64)>,
     /// Engines claimed by an earlier waiter during one scan (scratch).
     claimed: Vec<bool>,
 }
@@ -88,11 +95,11 @@ impl Waiting {
         self.list.len()
     }
 
-    /// Session `session`'s turn ended on `instance` at `t`: hold a room there for its next
-    /// turn (see the module doc).
-    pub fn hold(&mut self, a: &SimAdmission, session: u32, instance: usize, t: f64) {
+    /// Session `session`'s turn of `tokens` prompt tokens ended on `instance` at `t`: hold a
+    /// room there for its next turn (see the module doc).
+    pub fn hold(&mut self, a: &SimAdmission, session: u32, instance: usize, tokens: u64, t: f64) {
         if a.hold_s > 0.0 && !self.yielding(a, t) {
-            self.holds.insert(session, (instance, t + a.hold_s));
+            self.holds.insert(session, (instance, tokens, t + a.hold_s));
         }
     }
 
@@ -102,14 +109,14 @@ impl Waiting {
         if self.list.is_empty() || self.holds.is_empty() || self.yielding(a, t) {
             return None;
         }
-        let ends = self.holds.values().map(|&(_, until)| until);
+        let ends = self.holds.values().map(|&(_, _, until)| until);
         let yields = self.list.iter().map(|w| w.since + a.hold_yield_s);
         ends.chain(yields).filter(|&x| x > t).min_by(f64::total_cmp)
     }
 
     /// The engine holding a room for `session`'s next turn at `t`, if any, now given up.
     pub fn take_hold(&mut self, session: u32, t: f64) -> Option<usize> {
-        self.holds.remove(&session).filter(|&(_, until)| t < until).map(|(i, _)| i)
+        self.holds.remove(&session).filter(|&(_, _, until)| t < until).map(|(i, _, _)| i)
     }
 
     /// Whether a request has waited `hold_yield_s` by `t`: no room is held then.
@@ -117,13 +124,14 @@ impl Waiting {
         self.list.iter().any(|w| t >= w.since + a.hold_yield_s) // as the wake-up is timed
     }
 
-    /// Rooms `instance` holds at `t` for sessions other than `session`.
-    fn held_on(&self, a: &SimAdmission, instance: usize, session: u32, t: f64) -> u64 {
+    /// Rooms and prompt tokens `instance` holds at `t` for sessions other than `session`.
+    pub fn held_on(&self, a: &SimAdmission, instance: usize, session: u32, t: f64) -> (u64, u64) {
         if self.holds.is_empty() || self.yielding(a, t) {
-            return 0;
+            return (0, 0);
         }
-        let held = |(s, &(i, until)): (&u32, &(usize, f64))| *s != session && i == instance && t < until;
-        self.holds.iter().filter(|&h| held(h)).count() as u64
+        let held =
+            |(s, (i, _, until)): &(&u32, &(usize, u64, f64))| **s != session && *i == instance && t < *until;
+        self.holds.iter().filter(held).fold((0, 0), |(rooms, tokens), (_, (_, n, _))| (rooms + 1, tokens + n))
     }
 
     /// The next request to route at `t` and where. Removed from the queue; None when no
@@ -138,7 +146,7 @@ impl Waiting {
         if self.list.is_empty() || !router.has_room() {
             return None;
         }
-        self.holds.retain(|_, &mut (_, until)| t < until);
+        self.holds.retain(|_, &mut (_, _, until)| t < until);
         let n = router.num_instances();
         self.claimed.clear();
         self.claimed.resize(n, false);
@@ -149,7 +157,7 @@ impl Waiting {
             let Some(x) = router.preferred(trace.keys_of(i), input, Some(&session)) else {
                 continue;
             };
-            if router.room_on(x) > self.held_on(a, x, w.session, t) && !self.claimed[x] {
+            if router.takes(x, input, self.held_on(a, x, w.session, t)) && !self.claimed[x] {
                 let w = self.list.remove(k).expect("an index of the list");
                 return Some((w, Bind::On(x)));
             }
@@ -159,12 +167,13 @@ impl Waiting {
         if t - first.since < a.patience_s {
             return None;
         }
-        let held: Vec<usize> =
-            (0..n).filter(|&i| router.room_on(i) <= self.held_on(a, i, first.session, t)).collect();
-        if held.len() == n {
+        let input = trace.input_length[first.row as usize] as u64;
+        let no_room: Vec<usize> =
+            (0..n).filter(|&i| !router.takes(i, input, self.held_on(a, i, first.session, t))).collect();
+        if no_room.len() == n {
             return None;
         }
-        let held = held.into_iter().filter(|&i| router.room_on(i) > 0).collect();
-        Some((self.list.pop_front().expect("not empty"), Bind::Any(held)))
+        let no_room = no_room.into_iter().filter(|&i| router.room_on(i) > 0).collect();
+        Some((self.list.pop_front().expect("not empty"), Bind::Any(no_room)))
     }
 }

@@ -264,10 +264,12 @@ impl Loop<'_, '_> {
     /// go.
     fn send(&mut self, s: u32, t: f64) -> Result<()> {
         let row = self.sessions.rows_of(s)[self.pos[s as usize] as usize];
-        if self.admission.is_none() {
+        let Some(a) = self.admission else {
             return self.dispatch(row, s, t, t, Bind::Any(Vec::new()));
-        }
-        if let Some(x) = self.waiting.take_hold(s, t).filter(|&x| self.router.room_on(x) > 0) {
+        };
+        let input = self.trace.input_length[row as usize] as u64;
+        let held = self.waiting.take_hold(s, t);
+        if let Some(x) = held.filter(|&x| self.router.takes(x, input, self.waiting.held_on(&a, x, s, t))) {
             return self.dispatch(row, s, t, t, Bind::On(x));
         }
         self.waiting.push(Waiter { row, session: s, since: t });
@@ -396,7 +398,7 @@ impl Loop<'_, '_> {
                     self.router.finish(&Id::Int(tag as i64));
                     if let Some(a) = &self.admission {
                         let (s, x) = (self.trace.session[i], self.rec.instance[i] as usize);
-                        self.waiting.hold(a, s, x, time);
+                        self.waiting.hold(a, s, x, self.trace.input_length[i] as u64, time);
                     }
                     self.turn_done(tag as u32, time);
                 }

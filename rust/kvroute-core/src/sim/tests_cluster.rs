@@ -121,21 +121,20 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
     let o = synthetic(12, 5);
     for patience_s in [0.0, 0.5, 1e9] {
         for policy in [Policy::LeastWork, Policy::Unified, Policy::RoundRobin] {
-            let admission =
-                Some(SimAdmission { max_in_flight: 1, patience_s, hold_s: 0.0, hold_yield_s: 5.0 });
+            let admission = Some(SimAdmission {
+                max_in_flight: Some(1),
+                max_tokens: None,
+                patience_s,
+                hold_s: 0.0,
+                hold_yield_s: 5.0,
+            });
             let out = simulate(&o, &RunConfig { admission, ..config(policy, Mode::Poisson { rate: 4.0 }) });
             let (st, r) = (&out.stats, &out.records);
             assert_eq!((st.finished, st.router_in_flight, st.router_counters_sum), (60, 0, 0));
             assert!(st.max_waiting > 0, "{policy:?} {patience_s}: nobody waited");
             // Per engine, a request is routed only once the one before it there finished.
-            for e in 0..4 {
-                let mut spans: Vec<(f64, f64)> = (0..60)
-                    .filter(|&i| r.instance[i] == e)
-                    .map(|i| (r.send[i] + r.router_wait[i], r.finish[i]))
-                    .collect();
-                spans.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                assert!(spans.windows(2).all(|w| w[1].0 >= w[0].1), "{policy:?} {patience_s} {e}");
-            }
+            let alone = in_flight_at_routing(r, |_| 0).iter().all(|&(n, _)| n == 1);
+            assert!(alone, "{policy:?} {patience_s}");
             assert!(r.router_wait.iter().all(|&w| w >= 0.0) && r.router_wait.iter().any(|&w| w > 0.0));
         }
     }
@@ -143,8 +142,13 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
     assert!(plain.records.router_wait.iter().all(|&w| w == 0.0));
     assert_eq!(plain.stats.max_waiting, 0);
     // A cap never reached changes nothing.
-    let admission =
-        Some(SimAdmission { max_in_flight: 1000, patience_s: 0.5, hold_s: 0.0, hold_yield_s: 5.0 });
+    let admission = Some(SimAdmission {
+        max_in_flight: Some(1000),
+        max_tokens: None,
+        patience_s: 0.5,
+        hold_s: 0.0,
+        hold_yield_s: 5.0,
+    });
     let roomy =
         simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
     assert_eq!(
@@ -156,7 +160,13 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
 #[test]
 fn with_holds_a_sessions_next_turn_goes_to_its_engine_at_once() {
     let o = synthetic(12, 5);
-    let admission = Some(SimAdmission { max_in_flight: 1, patience_s: 0.0, hold_s: 30.0, hold_yield_s: 1e9 });
+    let admission = Some(SimAdmission {
+        max_in_flight: Some(1),
+        max_tokens: None,
+        patience_s: 0.0,
+        hold_s: 30.0,
+        hold_yield_s: 1e9,
+    });
     let out =
         simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
     let r = &out.records;
@@ -174,14 +184,47 @@ fn with_holds_a_sessions_next_turn_goes_to_its_engine_at_once() {
     }
     assert!(held > 0);
     // The cap holds: per engine, a request is routed only once the one before it finished.
-    for e in 0..4 {
-        let mut spans: Vec<(f64, f64)> = (0..60)
-            .filter(|&i| r.instance[i] == e)
-            .map(|i| (r.send[i] + r.router_wait[i], r.finish[i]))
-            .collect();
-        spans.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        assert!(spans.windows(2).all(|w| w[1].0 >= w[0].1), "engine {e}");
+    assert!(in_flight_at_routing(r, |_| 0).iter().all(|&(n, _)| n == 1));
+}
+
+#[test]
+fn a_token_cap_keeps_each_engines_prompts_in_flight_under_it() {
+    let o = synthetic(12, 5);
+    let max_tokens = Some(6000);
+    for hold_s in [0.0, 2.0] {
+        let admission = Some(SimAdmission {
+            max_in_flight: None,
+            max_tokens,
+            patience_s: 0.5,
+            hold_s,
+            hold_yield_s: 5.0,
+        });
+        let out =
+            simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
+        let (st, r) = (&out.stats, &out.records);
+        assert_eq!((st.finished, st.router_in_flight, st.router_counters_sum), (60, 0, 0));
+        assert!(st.max_waiting > 0, "{hold_s}: nobody waited");
+        let seen = in_flight_at_routing(r, |i| o.inp[i] as u64);
+        assert!(seen.iter().all(|&(n, tokens)| n == 1 || tokens <= 6000), "{hold_s}: {seen:?}");
+        assert!(seen.iter().any(|&(n, _)| n > 1), "{hold_s}: a token cap, not one request each");
+        assert!(seen.iter().any(|&(_, tokens)| tokens > 6000), "{hold_s}: a long prompt alone goes");
     }
+}
+
+/// Per request, as it was routed: the requests in flight on its engine (itself included) and
+/// the sum of `weight` over them.
+fn in_flight_at_routing(r: &Records, weight: impl Fn(usize) -> u64) -> Vec<(usize, u64)> {
+    let routed = |i: usize| r.send[i] + r.router_wait[i];
+    let rows = 0..r.instance.len();
+    rows.clone()
+        .map(|i| {
+            let at = routed(i);
+            let on = rows
+                .clone()
+                .filter(|&j| r.instance[j] == r.instance[i] && routed(j) <= at && at < r.finish[j]);
+            on.fold((0, 0), |(n, w), j| (n + 1, w + weight(j)))
+        })
+        .collect()
 }
 
 #[test]
