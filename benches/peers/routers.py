@@ -190,6 +190,11 @@ ARMS: dict[str, Arm] = {
         # ... a cap in prompt tokens instead, sized to the engines' KV cache: the sessions
         # served on an engine (in flight and held) are those whose prompts its cache holds.
         Arm(
+            "kvroute-tokens-queue",
+            "kvroute",
+            _kvroute("--max-in-flight-tokens", "cache", "--queue-size", "1024"),
+        ),
+        Arm(
             "kvroute-tokens",
             "kvroute",
             _kvroute(

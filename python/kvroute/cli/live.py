@@ -46,14 +46,15 @@ def _ready(what: str) -> Any:
 def token_cap(value: str | None, urls: list[str], who: str) -> int | None:
     """``--max-in-flight-tokens`` as a number of tokens (at least 1): ``cache`` is the
     smallest KV capacity the backends report (logged); an error when none reports one."""
-    if value is None or value != "cache":
-        tokens = None if value is None else int(value) if value.isdigit() else 0
-        if tokens is not None and tokens < 1:
+    if value is None:
+        return None
+    if value != "cache":
+        if not value.isdigit() or int(value) < 1:
             raise click.BadParameter(
                 f"{value!r} is neither a number of tokens >= 1 nor 'cache'",
                 param_hint="--max-in-flight-tokens",
             )
-        return tokens
+        return int(value)
     from kvroute.proxy.discover import kv_tokens
 
     tokens, why = kv_tokens(urls)

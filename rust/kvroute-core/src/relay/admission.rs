@@ -1,9 +1,9 @@
 //! Admission at the router: while the engine a request's policy prefers has no room (it is
 //! overloaded by the router's rule: its reported waiting requests or KV usage, its requests
 //! or their prompt tokens in flight at the cap, or the request's tokens do not fit under the
-//! token cap: [`crate::Router::takes`]), generation requests wait in a bounded queue, and each is
-//! routed (bound to an engine) only when one has room, on the cache and load view of that
-//! moment (late binding).
+//! token cap: [`crate::Router::takes`]), generation requests wait in a bounded queue, and
+//! each is routed (bound to an engine) only when one has room, on the cache and load view of
+//! that moment (late binding).
 //!
 //! Binding: a waiting request goes to the engine its policy picks among all the available
 //! engines, overloaded ones included (its preferred engine, [`crate::Router::preferred`],
@@ -16,11 +16,11 @@
 //! (and, under a token cap, the request's prompt tokens) for the session's next request for
 //! `hold`: others see one room less there until it comes (it goes there at once, queue or
 //! not, when its tokens fit there) or the hold runs out. No room is held while a request has
-//! waited `hold_yield` or longer, so the waiting sessions get in within about that. Under an in-flight cap this keeps the sessions being served on their engines while
-//! others wait, so the prompts the engines cache are those of the sessions they serve: past
-//! the cache's size, taking every waiting session in turn evicts each one's prompt before its
-//! next turn. Holds that ran out are dropped when the queue is looked at, and when their
-//! number doubles.
+//! waited `hold_yield` or longer, so the waiting sessions get in within about that. Under a
+//! cap this keeps the sessions being served on their engines while others wait, so the
+//! prompts the engines cache are those of the sessions they serve: past the cache's size,
+//! taking every waiting session in turn evicts each one's prompt before its next turn. Holds
+//! that ran out are dropped when the queue is looked at, and when their number doubles.
 //!
 //! Order: a higher priority first (the priority header, an integer, 0 without it); within a
 //! priority, a session's n-th waiting request after every other session's (n-1)-th (so a

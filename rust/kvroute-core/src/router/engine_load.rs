@@ -6,9 +6,10 @@
 //! waiting there too (as SMG credits its dispatches), so that a burst does not all land on the
 //! engine that looked idle. An engine is overloaded when that waiting count reaches the rule's
 //! `waiting`, its KV usage its `kv_usage`, its requests in flight (as the policies read
-//! them, below) its `in_flight`, or the prompt tokens of those its `tokens`; an overloaded engine is left out of a decision
-//! while an available one is not overloaded, and takes part when every one is (the policies'
-//! formulas are untouched: they choose among the engines left).
+//! them, below) its `in_flight`, or the prompt tokens of those its `tokens`; an overloaded
+//! engine is left out of a decision while an available one is not overloaded, and takes part
+//! when every one is (the policies' formulas are untouched: they choose among the engines
+//! left).
 //!
 //! With [`LoadSource::Engine`], the requests an engine reported beyond this router's own in
 //! flight at the read (`outside`: another replica's, traffic that bypassed the router) are
