@@ -67,6 +67,13 @@ class Arm:
     needs_profile: bool = False
 
 
+#: Admission's options in the arms: a queue; a queue with holds of a second; a cap in prompt
+#: tokens sized to the engines' KV cache.
+QUEUE = ("--queue-size", "1024")
+HOLDS = (*QUEUE, "--queue-hold", "1")
+TOKEN_CAP = ("--max-in-flight-tokens", "cache")
+
+
 def _kvroute(*extra: str) -> Argv:
     def argv(fleet: Fleet, port: int, _metrics: int) -> list[str]:
         backends = [a for url in fleet.urls for a in ("--backend", url)]
@@ -171,82 +178,34 @@ ARMS: dict[str, Arm] = {
         Arm("kvroute-own-load", "kvroute", _kvroute("--load-source", "router")),
         # Admission: at most N requests in flight per engine, the rest wait at the router.
         *(
-            Arm(
-                f"kvroute-admit{n}",
-                "kvroute",
-                _kvroute("--max-in-flight", str(n), "--queue-size", "1024"),
-            )
+            Arm(f"kvroute-admit{n}", "kvroute", _kvroute("--max-in-flight", str(n), *QUEUE))
             for n in (2, 3, 4, 5, 6, 8)
         ),
         # ... with holds: an engine keeps a room for a session's next turn for a second.
         *(
-            Arm(
-                f"kvroute-hold{n}",
-                "kvroute",
-                _kvroute("--max-in-flight", str(n), "--queue-size", "1024", "--queue-hold", "1"),
-            )
+            Arm(f"kvroute-hold{n}", "kvroute", _kvroute("--max-in-flight", str(n), *HOLDS))
             for n in (3, 4)
-        ),
-        # ... a cap in prompt tokens instead, sized to the engines' KV cache: the sessions
-        # served on an engine (in flight and held) are those whose prompts its cache holds.
-        Arm(
-            "kvroute-tokens-queue",
-            "kvroute",
-            _kvroute("--max-in-flight-tokens", "cache", "--queue-size", "1024"),
-        ),
-        Arm(
-            "kvroute-tokens",
-            "kvroute",
-            _kvroute(
-                "--max-in-flight-tokens", "cache", "--queue-size", "1024", "--queue-hold", "1"
-            ),
-        ),
-        Arm(
-            "kvroute-tokens-hold4",
-            "kvroute",
-            _kvroute(
-                "--max-in-flight-tokens",
-                "cache",
-                "--max-in-flight",
-                "4",
-                "--queue-size",
-                "1024",
-                "--queue-hold",
-                "1",
-            ),
-        ),
-        *(
-            Arm(
-                f"kvroute-tokens-hold4-yield{y}",
-                "kvroute",
-                _kvroute(
-                    "--max-in-flight-tokens",
-                    "cache",
-                    "--max-in-flight",
-                    "4",
-                    "--queue-size",
-                    "1024",
-                    "--queue-hold",
-                    "1",
-                    "--queue-hold-yield",
-                    y,
-                ),
-            )
-            for y in ("1", "2")
         ),
         Arm(
             "kvroute-hold4-yield2",
             "kvroute",
-            _kvroute(
-                "--max-in-flight",
-                "4",
-                "--queue-size",
-                "1024",
-                "--queue-hold",
-                "1",
-                "--queue-hold-yield",
-                "2",
-            ),
+            _kvroute("--max-in-flight", "4", *HOLDS, "--queue-hold-yield", "2"),
+        ),
+        # ... a cap in prompt tokens instead, sized to the engines' KV cache: the sessions
+        # served on an engine (in flight and held) are those whose prompts its cache holds.
+        Arm("kvroute-tokens-queue", "kvroute", _kvroute(*TOKEN_CAP, *QUEUE)),
+        Arm("kvroute-tokens", "kvroute", _kvroute(*TOKEN_CAP, *HOLDS)),
+        *(
+            Arm(
+                f"kvroute-tokens-hold4{suffix}",
+                "kvroute",
+                _kvroute(*TOKEN_CAP, "--max-in-flight", "4", *HOLDS, *yield_args),
+            )
+            for suffix, yield_args in (
+                ("", ()),
+                ("-yield1", ("--queue-hold-yield", "1")),
+                ("-yield2", ("--queue-hold-yield", "2")),
+            )
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target
         # (seconds), the most cache reuse among the engines predicted to meet it.
