@@ -106,8 +106,7 @@ impl EngineLoads {
     /// `own` with the outside requests of every report added (see the module doc), into
     /// `seen`; false (and `seen` untouched) when no report has any.
     pub fn add_outside(&self, own: &[InstanceLoad], seen: &mut Vec<InstanceLoad>) -> bool {
-        let outside = |i: usize| self.reports[i].map_or(0, |(l, _)| l.outside);
-        if (0..own.len()).all(|i| outside(i) == 0) {
+        if (0..own.len()).all(|i| self.outside(i) == 0) {
             return false;
         }
         let (_, input, prefill) = self.routed;
@@ -133,10 +132,9 @@ impl EngineLoads {
         u64::try_from(u128::from(count) * sum / n).unwrap_or(u64::MAX)
     }
 
-    /// The prompt tokens of `i`'s outside requests, at this router's mean request.
-    fn outside_tokens(&self, i: usize) -> u64 {
-        let outside = self.reports[i].map_or(0, |(l, _)| l.outside);
-        self.mean_share(outside, self.routed.1)
+    /// `i`'s outside requests at its last report (0 without one).
+    fn outside(&self, i: usize) -> u64 {
+        self.reports[i].map_or(0, |(l, _)| l.outside)
     }
 
     /// Whether `i`'s report makes it overloaded by the rule (never without one).
@@ -226,22 +224,25 @@ impl Router {
             || self.engine.reported_over(i)
     }
 
-    /// Prompt tokens in flight on instance `i` as the token cap counts them.
-    fn tokens_on(&self, i: usize) -> u64 {
-        let outside = match self.config.load_source {
-            LoadSource::Engine => self.engine.outside_tokens(i),
+    /// The outside requests the caps count on instance `i` (none under
+    /// [`LoadSource::Router`]).
+    fn outside_on(&self, i: usize) -> u64 {
+        match self.config.load_source {
+            LoadSource::Engine => self.engine.outside(i),
             LoadSource::Router => 0,
-        };
+        }
+    }
+
+    /// Prompt tokens in flight on instance `i` as the token cap counts them (the outside
+    /// requests' at this router's mean request).
+    fn tokens_on(&self, i: usize) -> u64 {
+        let outside = self.engine.mean_share(self.outside_on(i), self.engine.routed.1);
         self.loads[i].ongoing_tokens.saturating_add(outside)
     }
 
     /// Requests in flight on instance `i` as the in-flight cap counts them.
     fn in_flight_on(&self, i: usize) -> u64 {
-        let outside = match self.config.load_source {
-            LoadSource::Engine => self.engine.get(i).map_or(0, |l| l.outside),
-            LoadSource::Router => 0,
-        };
-        self.loads[i].num_requests + outside
+        self.loads[i].num_requests + self.outside_on(i)
     }
 
     /// Requests instance `i` takes now before it is overloaded: 0 when it is unavailable or
@@ -423,6 +424,14 @@ mod tests {
         assert!(!r.is_overloaded(0) && r.takes(0, 600, (0, 0)));
         let free = Router::new(1, Policy::RoundRobin, RouterConfig::default()).unwrap();
         assert!(free.takes(0, u64::MAX, (0, u64::MAX)), "no cap");
+        // Under LoadSource::Engine an outside request counts at the router's mean prompt.
+        let config = RouterConfig { load_source: LoadSource::Engine, ..RouterConfig::default() };
+        let mut r = Router::new(1, Policy::RoundRobin, config).unwrap();
+        r.set_overload_rule(OverloadRule { tokens: Some(1000), ..OverloadRule::default() }).unwrap();
+        r.route(Id::Int(0), &[], 400, None).unwrap();
+        assert!(r.takes(0, 600, (0, 0)));
+        r.set_engine_load(0, 2, 0, 0.1).unwrap();
+        assert!(!r.takes(0, 201, (0, 0)) && r.takes(0, 200, (0, 0)), "400 + 400 outside");
     }
 
     #[test]
