@@ -224,7 +224,7 @@ def test_a_token_cap_admits_what_fits_beside_the_tokens_in_flight_and_held() -> 
             r["thread"].join()
             assert r["status"] == 200
     a, b = {"X-Session-Id": "a"}, {"X-Session-Id": "b"}
-    with stack(1, **config, queue_patience_s=0.0, queue_hold_s=1.0) as (url, proxy, (e0,)):
+    with stack(1, **config, queue_patience_s=0.0, queue_hold_s=4.0) as (url, proxy, (e0,)):
         first = send(url, [1, 2, 3], a)
         wait_until(lambda: e0.arrived == 1, what="a's first turn")
         e0.release()
