@@ -21,14 +21,14 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
+
+from release_build import require_release
 
 if TYPE_CHECKING:
     from kvroute.launch import Launched
@@ -360,11 +360,8 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import kvroute
-    if kvroute.BUILD_PROFILE != "release" and not args.allow_debug:
-        sys.exit("bench_proxy needs a release build of kvroute (make build-release)")
+    if not args.allow_debug:
+        require_release()
     from kvroute.proxy.serving import new_event_loop
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:

@@ -16,6 +16,8 @@ from types import ModuleType
 
 import pytest
 
+from release_build import not_release
+
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"kvroute's native extension is a debug build")
     import kvroute
@@ -36,12 +38,9 @@ _LOAD_AT_START: list[float] = []
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _LOAD_AT_START[:] = os.getloadavg()
-    if kvroute.BUILD_PROFILE != "release":
-        pytest.exit(
-            f"benches need a release build of kvroute, found {kvroute.BUILD_PROFILE!r} "
-            f"({kvroute._core.__file__}); run `make build-release` or `make bench`",
-            returncode=2,
-        )
+    why = not_release()
+    if why is not None:
+        pytest.exit(why, returncode=2)
 
 
 def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:

@@ -26,7 +26,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import kvroute
 from kvroute import sim
 from kvroute.metrics import summarize
 from kvroute.proxy.config import ProxyConfig
@@ -34,6 +33,7 @@ from kvroute.report.srr import SrrConfig, live_probe, scaled
 from kvroute.sim.calibrate import calibrate
 from kvroute.sim.profile import load_profile
 from kvroute.trace_ops import annotate_ttp
+from release_build import require_release
 
 TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_sessions_32tok.parquet"
 POLICY = "unified_dynamo"
@@ -57,8 +57,7 @@ def main() -> int:
     parser.add_argument("--recalibrate", action="store_true", help="before each rate")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if kvroute.BUILD_PROFILE != "release":
-        parser.error(f"kvroute is a {kvroute.BUILD_PROFILE} build: run `make build-release`")
+    require_release()
 
     def measured() -> dict[str, float]:
         path = Path(tempfile.mkdtemp()) / "profile.json"
