@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from release_build import require_release as require_release
+
 #: The peers as installed from PyPI (the versions the results name).
 PEER_PACKAGES = ("smg==1.13.0", "vllm-router==0.1.17")
 REPO = Path(__file__).resolve().parents[2]
@@ -205,6 +208,9 @@ ARMS: dict[str, Arm] = {
                 ("", ()),
                 ("-yield1", ("--queue-hold-yield", "1")),
                 ("-yield2", ("--queue-hold-yield", "2")),
+                # a session served this long by holds gives its room up while others wait
+                ("-tenure1", ("--queue-hold-tenure", "1")),
+                ("-tenure2", ("--queue-hold-tenure", "2")),
             )
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target
@@ -245,18 +251,6 @@ for _name in (
     for _n in (2, 3):
         _xn = dataclasses.replace(ARMS[_name], name=f"{_name}-x{_n}", replicas=_n)
         ARMS[_xn.name] = _xn
-
-
-def require_release() -> None:
-    """Exit unless kvroute's native extension is a release build: a benchmark measures what
-    users run (the dev build is optimised less and checks more)."""
-    import kvroute
-
-    if kvroute.BUILD_PROFILE != "release":
-        sys.exit(
-            f"kvroute's native extension is a {kvroute.BUILD_PROFILE} build: "
-            "run `make build-release` before measuring"
-        )
 
 
 def peers_venv(log: Callable[[str], None] = print) -> Path:
