@@ -11,7 +11,6 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,35 +199,6 @@ def test_an_engine_holds_a_room_for_a_sessions_next_turn() -> None:
         assert queue(proxy)["queued"] == 1
 
 
-def test_a_session_past_its_hold_tenure_queues_behind_the_waiting() -> None:
-    """With ``queue_hold_tenure_s`` a session that has kept its engine by holds that long gets
-    no hold at its request's end while another waits: the waiting request goes, and the
-    session's next turn queues behind it."""
-    a = {"X-Session-Id": "a"}
-    config = {"queue_size": 8, "queue_patience_s": 0.0, "queue_hold_s": 60.0}
-    with stack(1, **config, queue_hold_tenure_s=0.05) as (url, proxy, (e0,)):
-        first = send(url, [1], a)
-        wait_until(lambda: e0.arrived == 1, what="a's first turn")
-        e0.release()
-        first["thread"].join()
-        other = send(url, [2])
-        wait_until(lambda: queue(proxy)["waiting"] == 1, what="the other to wait: a's room held")
-        second = send(url, [3], a)
-        wait_until(lambda: e0.arrived == 2, what="a's second turn in its held room")
-        time.sleep(0.1)  # a has kept the engine past its tenure (longer on a busy machine)
-        e0.release()
-        wait_until(lambda: e0.arrived == 3, what="the other once a gave up its room")
-        third = send(url, [4], a)
-        wait_until(lambda: queue(proxy)["waiting"] == 1, what="a's third turn to wait")
-        e0.release()
-        wait_until(lambda: e0.arrived == 4, what="a's third turn after the other")
-        e0.release()
-        for r in (first, second, other, third):
-            r["thread"].join()
-            assert r["status"] == 200
-        assert e0.served == [[1], [3], [2], [4]]
-
-
 def test_a_token_cap_admits_what_fits_beside_the_tokens_in_flight_and_held() -> None:
     """With ``max_in_flight_tokens`` (no request cap) an engine takes requests while their
     prompt tokens fit under the cap, and one alone whatever its length; a held room keeps
@@ -359,7 +329,6 @@ def test_without_a_queue_overloaded_engines_all_take_part() -> None:
         {"queue_patience_s": -1},
         {"queue_hold_s": -1},
         {"queue_hold_yield_s": -1},
-        {"queue_hold_tenure_s": 0},
     ],
 )
 def test_admission_options_are_checked(bad: dict[str, Any]) -> None:
@@ -428,11 +397,6 @@ def test_the_simulator_holds_rooms_for_sessions_as_the_proxy_does() -> None:
 
     assert later_turns_waited(plain) > 0 and later_turns_waited(held) == 0
     assert held.stats["max_in_flight"] <= 2 and held.stats["finished"] == 24
-    rotated = sim.simulate(
-        trace, policy="leastwork", mode="tracets", instances=2, max_in_flight=1,
-        queue_patience_s=0.0, queue_hold_s=1.0, queue_hold_yield_s=1e9, queue_hold_tenure_s=1e-6,
-    )  # fmt: skip
-    assert later_turns_waited(rotated) > 0, "past the tenure a later turn queues"
     with pytest.raises(InvalidArgumentError, match="queue_hold_s"):
         sim.simulate(trace, instances=2, max_in_flight=1, queue_hold_s=-1.0)
 

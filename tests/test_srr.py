@@ -111,12 +111,10 @@ def test_the_simulator_routes_with_the_proxys_parameters(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(sim, "sweep", sweep)
     admission = {"max_in_flight": 4, "queue_size": 8, "queue_patience_s": 0.5, "queue_hold_s": 1}
-    admission |= {"queue_hold_tenure_s": 2}
     cfg = config(policies=("unified_dynamo", "leastwork"), proxy=admission)
     trace = pa.table({"timestamp": [0.0], "session_id": [0]})
     got = srr.simulated(trace, cfg, engine={}, factors=(1.0,))
     queue = {"max_in_flight": [4.0], "queue_patience_s": [0.5], "queue_hold_s": [1.0]}
-    queue |= {"queue_hold_tenure_s": [2.0]}
     assert grids == {"unified_dynamo": {"overlap_weight": [8.0], **queue}, "leastwork": queue}
     assert got["rates"]["leastwork"]["upper"] is None, "every fake probe passed"
     # A token cap alone turns the simulated queue on too.

@@ -208,9 +208,6 @@ ARMS: dict[str, Arm] = {
                 ("", ()),
                 ("-yield1", ("--queue-hold-yield", "1")),
                 ("-yield2", ("--queue-hold-yield", "2")),
-                # a session served this long by holds gives its room up while others wait
-                ("-tenure1", ("--queue-hold-tenure", "1")),
-                ("-tenure2", ("--queue-hold-tenure", "2")),
             )
         ),
         # Least predicted time to first token at the engines' calibrated costs; with a target

@@ -284,7 +284,6 @@ class Relay:
         priority_header: str = "x-priority",
         queue_hold_s: float = 0.0,
         queue_hold_yield_s: float = 5.0,
-        queue_hold_tenure_s: float | None = None,
         first_tokens: bool = False,
     ) -> Relay: ...
     def set_backend(

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 import kvroute
-from kvroute.cli.common import FINITE, POSITIVE, BadInput, Finite, output_option
+from kvroute.cli.common import FINITE, BadInput, Finite, output_option
 from kvroute.errors import KvrouteError
 from kvroute.proxy.config import DEFAULT_POLICY
 
@@ -68,8 +68,8 @@ def token_cap(value: str | None, urls: list[str], who: str) -> int | None:
 
 def admission_options(f: F) -> F:
     """``--max-in-flight``, ``--max-in-flight-tokens``, ``--queue-size``,
-    ``--queue-patience``, ``--queue-hold``, ``--queue-hold-yield`` and ``--queue-hold-tenure``
-    (``docs/proxy.md``, "Admission"), for the proxy and for the commands that run one."""
+    ``--queue-patience``, ``--queue-hold`` and ``--queue-hold-yield`` (``docs/proxy.md``,
+    "Admission"), for the proxy and for the commands that run one."""
     options = [
         click.option(
             "--max-in-flight",
@@ -118,14 +118,6 @@ def admission_options(f: F) -> F:
             show_default=True,
             type=Finite(min=0),
             help="No room is held while a request has waited this many seconds.",
-        ),
-        click.option(
-            "--queue-hold-tenure",
-            default=None,
-            type=POSITIVE,
-            help="A session that has kept its engine by holds this many seconds gets no more "
-            "while a request waits: its next request queues behind them, so the sessions "
-            "served rotate one by one [default: no limit].",
         ),
     ]
     for option in reversed(options):
@@ -350,7 +342,6 @@ def proxy(**kw: Any) -> None:
             queue_patience_s=kw["queue_patience"],
             queue_hold_s=kw["queue_hold"],
             queue_hold_yield_s=kw["queue_hold_yield"],
-            queue_hold_tenure_s=kw["queue_hold_tenure"],
             priority_header=kw["priority_header"],
             unhealthy_after=kw["unhealthy_after"],
             healthy_after=kw["healthy_after"],

@@ -94,7 +94,6 @@ def srr(
     queue_patience: float,
     queue_hold: float,
     queue_hold_yield: float,
-    queue_hold_tenure: float | None,
     overlap_min_tokens: int,
     hot_factor: float,
     queue_wait: float,
@@ -118,7 +117,6 @@ def srr(
             "queue_patience_s": queue_patience,
             "queue_hold_s": queue_hold,
             "queue_hold_yield_s": queue_hold_yield,
-            "queue_hold_tenure_s": queue_hold_tenure,
         }
         if max_in_flight is not None:
             proxy["max_in_flight"] = max_in_flight

@@ -158,7 +158,6 @@ class Proxy:
             queue_patience_s=c.queue_patience_s,
             queue_hold_s=c.queue_hold_s,
             queue_hold_yield_s=c.queue_hold_yield_s,
-            queue_hold_tenure_s=c.queue_hold_tenure_s,
             priority_header=c.priority_header,
             first_tokens=c.fits_ttft_costs,
         )

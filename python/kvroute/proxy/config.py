@@ -100,9 +100,6 @@ class ProxyConfig:
     queue_hold_s: float = 0.0
     #: No hold is given while a request has waited this many seconds.
     queue_hold_yield_s: float = 5.0
-    #: A session that has kept its engine by holds this many seconds gets no more while a
-    #: request waits: its next request queues behind them (None: no limit).
-    queue_hold_tenure_s: float | None = None
     #: Header with a request's priority in the queue (an integer, higher first; 0 without).
     priority_header: str = "X-Priority"
     health_timeout_s: float = 2.0
@@ -159,8 +156,6 @@ class ProxyConfig:
             raise InvalidArgumentError("queue_hold_s must be a number of seconds >= 0")
         if not 0 <= self.queue_hold_yield_s < 1e9:
             raise InvalidArgumentError("queue_hold_yield_s must be a number of seconds >= 0")
-        if self.queue_hold_tenure_s is not None and not 0 < self.queue_hold_tenure_s < 1e9:
-            raise InvalidArgumentError("queue_hold_tenure_s must be a number of seconds > 0")
         if self.overload_kv_usage is not None and not 0 <= self.overload_kv_usage <= 1:
             raise InvalidArgumentError("overload_kv_usage must be in [0, 1]")
         if self.load_source not in ("router", "engine"):

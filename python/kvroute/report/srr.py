@@ -45,7 +45,6 @@ ADMISSION_PARAMS = (
     "queue_patience_s",
     "queue_hold_s",
     "queue_hold_yield_s",
-    "queue_hold_tenure_s",
 )
 
 #: A probe: (policy, rate in sessions/s, seed of the arrivals) -> the run's records.

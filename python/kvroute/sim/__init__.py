@@ -62,7 +62,6 @@ PARAM_POLICIES = {
     "queue_patience_s": (*_core.policies(), "capped"),
     "queue_hold_s": (*_core.policies(), "capped"),
     "queue_hold_yield_s": (*_core.policies(), "capped"),
-    "queue_hold_tenure_s": (*_core.policies(), "capped"),
 }
 
 __all__ = [

@@ -244,7 +244,7 @@ impl PyRelay {
     #[pyo3(signature = (listen_fd, router, side, hooks, *, max_body, request_timeout_s, connect_timeout_s,
         max_concurrency, retries, session_header, session_field = None, decision_log = None, header_read_timeout_s = 30.0,
         body_read_timeout_s = 60.0, max_connections = 8192, upstream_idle_timeout_s = 30.0, model = None,
-        queue_size = None, queue_timeout_s = 30.0, queue_patience_s = 0.5, priority_header = "x-priority", queue_hold_s = 0.0, queue_hold_yield_s = 5.0, queue_hold_tenure_s = None, first_tokens = false))]
+        queue_size = None, queue_timeout_s = 30.0, queue_patience_s = 0.5, priority_header = "x-priority", queue_hold_s = 0.0, queue_hold_yield_s = 5.0, first_tokens = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -271,7 +271,6 @@ impl PyRelay {
         priority_header: &str,
         queue_hold_s: f64,
         queue_hold_yield_s: f64,
-        queue_hold_tenure_s: Option<f64>,
         first_tokens: bool,
     ) -> PyResult<Self> {
         if listen_fd < 0 {
@@ -311,9 +310,6 @@ impl PyRelay {
                     priority_header: priority_header.to_ascii_lowercase(),
                     hold: seconds_or_zero(py, queue_hold_s, "queue_hold_s")?,
                     hold_yield: seconds_or_zero(py, queue_hold_yield_s, "queue_hold_yield_s")?,
-                    hold_tenure: queue_hold_tenure_s
-                        .map(|t| seconds(py, t, "queue_hold_tenure_s"))
-                        .transpose()?,
                 }),
             },
             first_tokens,

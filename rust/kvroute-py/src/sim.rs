@@ -136,7 +136,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
     let mode = Mode::from_name(&get(d, "mode")?.extract::<String>()?, rate).map_err(err)?;
     let mut params = PolicyParams::default();
     let (mut cap, mut tokens, mut patience_s) = (0.0_f64, 0.0_f64, 0.5_f64);
-    let (mut hold_s, mut hold_yield_s, mut hold_tenure_s) = (0.0_f64, 5.0_f64, 0.0_f64);
+    let (mut hold_s, mut hold_yield_s) = (0.0_f64, 5.0_f64);
     if let Some(pd) = d.get_item("params")? {
         for (k, v) in pd.cast::<PyDict>()?.iter() {
             let name: String = k.extract()?;
@@ -146,7 +146,6 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                 "queue_patience_s" => &mut patience_s,
                 "queue_hold_s" => &mut hold_s,
                 "queue_hold_yield_s" => &mut hold_yield_s,
-                "queue_hold_tenure_s" => &mut hold_tenure_s,
                 "overload_factor" => &mut params.overload_factor,
                 "hit_ratio_gate" => &mut params.hit_ratio_gate,
                 "cache_threshold" => &mut params.cache_threshold,
@@ -170,7 +169,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
                          cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, delay_weight, \
-                         max_in_flight, max_in_flight_tokens, queue_patience_s, queue_hold_s, queue_hold_yield_s, queue_hold_tenure_s"
+                         max_in_flight, max_in_flight_tokens, queue_patience_s, queue_hold_s, queue_hold_yield_s"
                         ),
                     ))
                 }
@@ -184,12 +183,9 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
             return Err(invalid(py, format!("{name} must be a whole number >= 0 (0: no cap), got {v}")));
         }
     }
-    for (name, v) in [
-        ("queue_patience_s", patience_s),
-        ("queue_hold_s", hold_s),
-        ("queue_hold_yield_s", hold_yield_s),
-        ("queue_hold_tenure_s", hold_tenure_s),
-    ] {
+    for (name, v) in
+        [("queue_patience_s", patience_s), ("queue_hold_s", hold_s), ("queue_hold_yield_s", hold_yield_s)]
+    {
         if !(v >= 0.0 && v.is_finite()) {
             return Err(invalid(py, format!("{name} must be a finite number >= 0, got {v}")));
         }
@@ -202,7 +198,6 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
         patience_s,
         hold_s,
         hold_yield_s,
-        hold_tenure_s: if hold_tenure_s > 0.0 { hold_tenure_s } else { f64::INFINITY },
     });
     let engine = build_params(
         py,

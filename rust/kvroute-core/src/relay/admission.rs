@@ -16,11 +16,7 @@
 //! (and, under a token cap, the request's prompt tokens) for the session's next request for
 //! `hold`: others see one room less there until it comes (it goes there at once, queue or
 //! not, when its tokens fit there) or the hold runs out. No room is held while a request has
-//! waited `hold_yield` or longer, so the waiting sessions get in within about that. With
-//! `hold_tenure`, a session that has kept its engine by holds that long (its requests since
-//! the last one that did not come by a hold) gets no more hold while a request waits: its
-//! next request queues behind the waiting ones, so the sessions rotate one by one rather than
-//! all at the yield. Under a
+//! waited `hold_yield` or longer, so the waiting sessions get in within about that. Under a
 //! cap this keeps the sessions being served on their engines while others wait, so the
 //! prompts the engines cache are those of the sessions they serve: past the cache's size,
 //! taking every waiting session in turn evicts each one's prompt before its next turn. Holds
@@ -70,25 +66,7 @@ pub struct AdmissionConfig {
     pub hold: Duration,
     /// No room is held while a request has waited this long.
     pub hold_yield: Duration,
-    /// A session that has kept its engine by holds this long gets no more while a request
-    /// waits (None: no limit).
-    pub hold_tenure: Option<Duration>,
 }
-
-/// A session's hold: the engine keeping a room for its next request, the prompt tokens held
-/// with it, until when, and since when the session has kept that engine by holds. A hold
-/// taken by the next request stays (out of the count) so that its end knows the tenure.
-#[derive(Debug, Clone, Copy)]
-struct Hold {
-    instance: usize,
-    tokens: u64,
-    until: Instant,
-    since: Instant,
-    taken: bool,
-}
-
-/// How long a taken hold remembers its tenure for the request's end.
-const TAKEN_FOR: Duration = Duration::from_secs(600);
 
 /// A place in the queue: priority (higher first), the session's round, arrival.
 type Place = (Reverse<i64>, u64, u64);
@@ -101,8 +79,9 @@ struct Queue {
     order: BTreeMap<Place, (Option<usize>, Instant)>,
     /// Requests waiting per session.
     sessions: HashMap<Id, u64>,
-    /// Per session, its hold.
-    holds: HashMap<Id, Hold>,
+    /// Per session, the engine that keeps a room for its next request, the prompt tokens
+    /// held with it, and until when.
+    holds: HashMap<Id, (usize, u64, Instant)>,
     /// Holds kept before those that ran out are dropped.
     holds_bound: usize,
 }
@@ -163,28 +142,22 @@ impl Admission {
     }
 
     /// A request of `session` with `tokens` of prompt ended on `instance`: hold a room there
-    /// for the session's next request (when holds are on, no request has waited
-    /// `hold_yield`, and the session is within `hold_tenure` or nothing waits). O(waiting).
+    /// for the session's next request (when holds are on and no request has waited
+    /// `hold_yield`). O(waiting).
     pub fn hold(&self, session: &Id, instance: usize, tokens: u64) {
         if self.config.hold.is_zero() {
             return;
         }
         let mut q = self.locked();
         let now = Instant::now();
-        let since = match q.holds.remove(session) {
-            Some(h) if h.taken && h.instance == instance => h.since,
-            _ => now,
-        };
-        let tenure_over = self.config.hold_tenure.is_some_and(|t| now.duration_since(since) >= t);
-        if self.yielding(&q, now) || (tenure_over && !q.order.is_empty()) {
+        if self.yielding(&q, now) {
             return;
         }
         if q.holds.len() >= q.holds_bound {
-            q.holds.retain(|_, h| now < h.until);
+            q.holds.retain(|_, (_, _, until)| now < *until);
             q.holds_bound = (2 * q.holds.len()).max(1024);
         }
-        let hold = Hold { instance, tokens, until: now + self.config.hold, since, taken: false };
-        q.holds.insert(session.clone(), hold);
+        q.holds.insert(session.clone(), (instance, tokens, now + self.config.hold));
     }
 
     /// Whether some request in `q` has waited `hold_yield` by `now`: no room is held then.
@@ -192,19 +165,10 @@ impl Admission {
         q.order.values().any(|(_, since)| now.duration_since(*since) >= self.config.hold_yield)
     }
 
-    /// The engine holding a room for `session`'s next request, if any, now given up (kept,
-    /// taken, for its tenure).
+    /// The engine holding a room for `session`'s next request, if any, now given up.
     pub fn take_hold(&self, session: &Id) -> Option<usize> {
-        let mut q = self.locked();
-        let now = Instant::now();
-        match q.holds.get_mut(session) {
-            Some(h) if !h.taken && now < h.until => {
-                (h.taken, h.until) = (true, now + TAKEN_FOR);
-                Some(h.instance)
-            }
-            Some(_) => q.holds.remove(session).and(None),
-            None => None,
-        }
+        let (instance, _, until) = self.locked().holds.remove(session)?;
+        (Instant::now() < until).then_some(instance)
     }
 
     /// Rooms and prompt tokens `instance` holds for sessions other than `session` (none while
@@ -216,9 +180,9 @@ impl Admission {
         if q.holds.is_empty() || self.yielding(&q, now) {
             return (0, 0);
         }
-        q.holds.retain(|_, h| now < h.until);
-        let held = q.holds.iter().filter(|(s, h)| !h.taken && h.instance == instance && Some(*s) != session);
-        held.fold((0, 0), |(rooms, tokens), (_, h)| (rooms + 1, tokens + h.tokens))
+        q.holds.retain(|_, (_, _, until)| now < *until);
+        let held = q.holds.iter().filter(|(s, (i, _, _))| *i == instance && Some(*s) != session);
+        held.fold((0, 0), |(rooms, tokens), (_, (_, t, _))| (rooms + 1, tokens + t))
     }
 
     /// A future that completes at the next [`Admission::wake`] (registered at once).
@@ -276,7 +240,6 @@ mod tests {
             priority_header: "x-priority".into(),
             hold: Duration::ZERO,
             hold_yield: Duration::from_secs(60),
-            hold_tenure: None,
         })
     }
 
@@ -351,35 +314,6 @@ mod tests {
             a.hold(&Id::Int(n), 0, 1);
         }
         assert!(a.locked().holds.len() <= 2048, "the ones that ran out are dropped");
-    }
-
-    #[test]
-    fn a_session_past_its_tenure_gets_no_hold_while_a_request_waits() {
-        let (mut a, stats) = (admission(8), Stats::default());
-        a.config.hold = Duration::from_secs(60);
-        a.config.hold_tenure = Some(Duration::from_millis(20));
-        let (s1, s2) = (Id::Str("s1".into()), Id::Str("s2".into()));
-        a.hold(&s1, 0, 100);
-        a.hold(&s2, 0, 50);
-        std::thread::sleep(Duration::from_millis(30));
-        assert_eq!(a.take_hold(&s1), Some(0));
-        a.hold(&s1, 0, 100);
-        assert_eq!(a.held_on(0, None), (2, 150), "past its tenure, but nothing waits");
-        let waiting = a.enter(0, None, &stats).unwrap();
-        assert_eq!(a.take_hold(&s1), Some(0));
-        a.hold(&s1, 0, 100);
-        assert_eq!(a.held_on(0, None), (1, 50), "past its tenure with a request waiting");
-        assert_eq!(a.take_hold(&s1), None, "its next request comes without a hold ...");
-        a.hold(&s1, 0, 100);
-        assert_eq!(a.held_on(0, None), (2, 150), "... and starts a new tenure");
-        assert_eq!(a.take_hold(&s2), Some(0));
-        a.hold(&s2, 1, 50);
-        assert_eq!(
-            (a.held_on(0, None), a.held_on(1, None)),
-            ((1, 100), (1, 50)),
-            "another engine, a new tenure"
-        );
-        drop(waiting);
     }
 
     #[test]

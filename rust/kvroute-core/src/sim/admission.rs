@@ -18,10 +18,8 @@
 //! keeps a room (and the turn's prompt tokens) for the session's next turn until `hold_s`
 //! later; the turn goes there at once (when its own tokens fit there, else it waits)
 //! when it comes, and other sessions see one room less there meanwhile. No room is held
-//! while a request has waited `hold_yield_s`, nor, with `hold_tenure_s`, for a session that
-//! has kept its engine by holds that long while a request waits. The queue is looked at
-//! again when a hold runs out and when a request has waited `hold_yield_s`
-//! ([`Waiting::next_change`]).
+//! while a request has waited `hold_yield_s`. The queue is looked at again when a hold runs
+//! out and when a request has waited `hold_yield_s` ([`Waiting::next_change`]).
 //!
 //! [`Waiting::next`] is O(waiters × (keys + instances)) at worst (it stops at the first
 //! request that can go). Owned by one run; not synchronised.
@@ -48,9 +46,6 @@ pub struct SimAdmission {
     pub hold_s: f64,
     /// No room is held while a request has waited this long (`--queue-hold-yield`).
     pub hold_yield_s: f64,
-    /// A session that has kept its engine by holds this long gets no more while a request
-    /// waits (`--queue-hold-tenure`; infinite: no limit).
-    pub hold_tenure_s: f64,
 }
 
 impl SimAdmission {
@@ -80,24 +75,13 @@ pub(super) enum Bind {
     Any(Vec<usize>),
 }
 
-/// A session's hold: the engine keeping a room for its next turn, the prompt tokens held with
-/// it, until when, and since when the session has kept that engine by holds (the proxy's).
-#[derive(Debug, Clone, Copy)]
-struct Hold {
-    instance: usize,
-    tokens: u64,
-    until: f64,
-    since: f64,
-}
-
 /// The requests waiting, in arrival order, and the engines' held rooms.
 #[derive(Debug, Default)]
 pub(super) struct Waiting {
     list: VecDeque<Waiter>,
-    /// Per session, its hold.
-    holds: HashMap<u32, Hold>,
-    /// Per session whose turn in flight came by a hold: that engine and the tenure's start.
-    taken: HashMap<u32, (usize, f64)>,
+    /// Per session, the engine holding a room for its next turn, the prompt tokens held with
+    /// it, and until when.
+    holds: HashMap<u32, (usize, u64, f64)>,
     /// Engines claimed by an earlier waiter during one scan (scratch).
     claimed: Vec<bool>,
 }
@@ -114,13 +98,8 @@ impl Waiting {
     /// Session `session`'s turn of `tokens` prompt tokens ended on `instance` at `t`: hold a
     /// room there for its next turn (see the module doc).
     pub fn hold(&mut self, a: &SimAdmission, session: u32, instance: usize, tokens: u64, t: f64) {
-        let since = match self.taken.remove(&session) {
-            Some((i, since)) if i == instance => since,
-            _ => t,
-        };
-        let past_tenure = !self.list.is_empty() && t - since >= a.hold_tenure_s;
-        if a.hold_s > 0.0 && !self.yielding(a, t) && !past_tenure {
-            self.holds.insert(session, Hold { instance, tokens, until: t + a.hold_s, since });
+        if a.hold_s > 0.0 && !self.yielding(a, t) {
+            self.holds.insert(session, (instance, tokens, t + a.hold_s));
         }
     }
 
@@ -130,16 +109,14 @@ impl Waiting {
         if self.list.is_empty() || self.holds.is_empty() || self.yielding(a, t) {
             return None;
         }
-        let ends = self.holds.values().map(|h| h.until);
+        let ends = self.holds.values().map(|&(_, _, until)| until);
         let yields = self.list.iter().map(|w| w.since + a.hold_yield_s);
         ends.chain(yields).filter(|&x| x > t).min_by(f64::total_cmp)
     }
 
     /// The engine holding a room for `session`'s next turn at `t`, if any, now given up.
     pub fn take_hold(&mut self, session: u32, t: f64) -> Option<usize> {
-        let h = self.holds.remove(&session).filter(|h| t < h.until)?;
-        self.taken.insert(session, (h.instance, h.since));
-        Some(h.instance)
+        self.holds.remove(&session).filter(|&(_, _, until)| t < until).map(|(i, _, _)| i)
     }
 
     /// Whether a request has waited `hold_yield_s` by `t`: no room is held then.
@@ -152,8 +129,9 @@ impl Waiting {
         if self.holds.is_empty() || self.yielding(a, t) {
             return (0, 0);
         }
-        let held = |(s, h): &(&u32, &Hold)| **s != session && h.instance == instance && t < h.until;
-        self.holds.iter().filter(held).fold((0, 0), |(rooms, tokens), (_, h)| (rooms + 1, tokens + h.tokens))
+        let held =
+            |(s, (i, _, until)): &(&u32, &(usize, u64, f64))| **s != session && *i == instance && t < *until;
+        self.holds.iter().filter(held).fold((0, 0), |(rooms, tokens), (_, (_, n, _))| (rooms + 1, tokens + n))
     }
 
     /// The next request to route at `t` and where. Removed from the queue; None when no
@@ -168,7 +146,7 @@ impl Waiting {
         if self.list.is_empty() || !router.has_room() {
             return None;
         }
-        self.holds.retain(|_, h| t < h.until);
+        self.holds.retain(|_, &mut (_, _, until)| t < until);
         let n = router.num_instances();
         self.claimed.clear();
         self.claimed.resize(n, false);

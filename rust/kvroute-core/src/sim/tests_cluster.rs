@@ -127,7 +127,6 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
                 patience_s,
                 hold_s: 0.0,
                 hold_yield_s: 5.0,
-                hold_tenure_s: f64::INFINITY,
             });
             let out = simulate(&o, &RunConfig { admission, ..config(policy, Mode::Poisson { rate: 4.0 }) });
             let (st, r) = (&out.stats, &out.records);
@@ -149,7 +148,6 @@ fn admission_holds_the_in_flight_cap_and_records_the_wait() {
         patience_s: 0.5,
         hold_s: 0.0,
         hold_yield_s: 5.0,
-        hold_tenure_s: f64::INFINITY,
     });
     let roomy =
         simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
@@ -168,7 +166,6 @@ fn with_holds_a_sessions_next_turn_goes_to_its_engine_at_once() {
         patience_s: 0.0,
         hold_s: 30.0,
         hold_yield_s: 1e9,
-        hold_tenure_s: f64::INFINITY,
     });
     let out =
         simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
@@ -191,30 +188,6 @@ fn with_holds_a_sessions_next_turn_goes_to_its_engine_at_once() {
 }
 
 #[test]
-fn with_a_tenure_the_sessions_served_rotate() {
-    let o = synthetic(12, 5);
-    let run = |hold_tenure_s: f64| {
-        let admission = Some(SimAdmission {
-            max_in_flight: Some(1),
-            max_tokens: None,
-            patience_s: 0.0,
-            hold_s: 30.0,
-            hold_yield_s: 1e9,
-            hold_tenure_s,
-        });
-        simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) })
-    };
-    let (kept, rotated) = (run(f64::INFINITY), run(1.0));
-    assert_eq!((kept.stats.finished, rotated.stats.finished), (60, 60));
-    // Without a tenure a session keeps its engine to its last turn; with one, a later turn
-    // queues behind the waiting sessions, and the longest wait is shorter.
-    let later_waited = |out: &SimOutput| (0..60).any(|i| o.turn[i] > 0 && out.records.router_wait[i] > 0.0);
-    assert!(!later_waited(&kept) && later_waited(&rotated));
-    let longest = |out: &SimOutput| out.records.router_wait.iter().copied().fold(0.0, f64::max);
-    assert!(longest(&rotated) < longest(&kept), "{} {}", longest(&rotated), longest(&kept));
-}
-
-#[test]
 fn a_token_cap_keeps_each_engines_prompts_in_flight_under_it() {
     let o = synthetic(12, 5);
     let max_tokens = Some(6000);
@@ -225,7 +198,6 @@ fn a_token_cap_keeps_each_engines_prompts_in_flight_under_it() {
             patience_s: 0.5,
             hold_s,
             hold_yield_s: 5.0,
-            hold_tenure_s: f64::INFINITY,
         });
         let out =
             simulate(&o, &RunConfig { admission, ..config(Policy::LeastWork, Mode::Poisson { rate: 4.0 }) });
