@@ -215,6 +215,8 @@ ARMS: dict[str, Arm] = {
         Arm("kvroute-ttft", "kvroute", _kvroute_ttft(), needs_profile=True),
         # The same without a profile: the costs fitted to the proxy's own first tokens.
         Arm("kvroute-ttft-online", "kvroute", _kvroute("--policy", "ttft")),
+        # ... behind the token cap with holds (`kvroute-tokens`).
+        Arm("kvroute-ttft-tokens", "kvroute", _kvroute("--policy", "ttft", *TOKEN_CAP, *HOLDS)),
         # ... without the delay a prefill adds to the requests running on the engine.
         Arm(
             "kvroute-ttft-online-nodelay",
