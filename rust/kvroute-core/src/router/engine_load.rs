@@ -126,6 +126,11 @@ impl EngineLoads {
         true
     }
 
+    /// The prompt tokens of `count` requests at this router's mean prompt so far.
+    fn at_mean_input(&self, count: u64) -> u64 {
+        self.mean_share(count, self.routed.1)
+    }
+
     /// `count` requests at the mean of `sum` over the requests routed so far.
     fn mean_share(&self, count: u64, sum: u128) -> u64 {
         let n = u128::from(self.routed.0.max(1));
@@ -236,7 +241,7 @@ impl Router {
     /// Prompt tokens in flight on instance `i` as the token cap counts them (the outside
     /// requests' at this router's mean request).
     fn tokens_on(&self, i: usize) -> u64 {
-        let outside = self.engine.mean_share(self.outside_on(i), self.engine.routed.1);
+        let outside = self.engine.at_mean_input(self.outside_on(i));
         self.loads[i].ongoing_tokens.saturating_add(outside)
     }
 
