@@ -609,8 +609,7 @@ class ReferenceRouter:
         round robin), the time plus ``delay_weight`` times the delay the request's prefill
         adds to the requests running there (``prefill_s_per_token * new_prefill *
         num_requests``) plus ``kv_weight`` times the tokens its running requests and this one
-        would hold beyond ``kv_capacity_tokens``, at ``prefill_s_per_token``, once for this
-        request and once for each running there. With
+        would hold beyond ``kv_capacity_tokens``, at ``prefill_s_per_token``. With
         ``ttft_slo_s`` > 0, first: among the instances predicted within it, the least
         new_prefill, then the least predicted time, the same tie-breaks."""
 
@@ -629,8 +628,7 @@ class ReferenceRouter:
             per_token = self.step_costs["prefill_s_per_token"]
             delay = per_token * float(new) * running
             held = min(self.instances[i].ongoing_tokens + n, U64_MAX)
-            over = max(0, held - int(self.step_costs["kv_capacity_tokens"]))
-            kv_wait = per_token * float(over) * (1.0 + running)
+            kv_wait = per_token * float(max(0, held - int(self.step_costs["kv_capacity_tokens"])))
             return (t + self.delay_weight * delay + self.kv_weight * kv_wait, new, running)
 
         return self._min_round_robin(avail, cost)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import kvroute
 from kvroute import sim
 from kvroute.errors import InvalidArgumentError
+from kvroute.proxy.config import ProxyConfig
 from kvroute.proxy.ttft_fit import BUDGETS, MIN_SAMPLES, PRIOR, fit_costs, terms
 from kvroute.proxy.ttft_fit import COSTS as FIT_COSTS
 from kvroute.sim.profile import FORMAT, VERSION
@@ -155,21 +156,18 @@ def test_the_cli_says_how_ttft_gets_its_costs() -> None:
     log = proxy.log()
     said = "kvroute proxy: policy ttft without an engine profile: prefill tokens alone until 64"
     assert said in log
-    assert "kvroute proxy: policy ttft (delay_weight=1.0)" in log
-    assert "KV term" not in log  # off unless asked for
-
-
-def test_the_kv_term_reads_the_engines_capacity() -> None:
-    engine = spawn("engine", "--model", "m")
-    try:
-        options = ("--policy", "ttft", "--router-option", "kv_weight=1")
-        proxy = spawn("proxy", "--backend", engine.url, *options)
-        proxy.stop()
-    finally:
-        engine.stop()
-    log = proxy.log()
     assert "kvroute proxy: ttft's KV term at " in log  # the emulator reports its KV cache
-    assert "kvroute proxy: policy ttft (delay_weight=1.0, kv_weight=1)" in log
+    assert "kvroute proxy: policy ttft (delay_weight=1.0, kv_weight=1.0)" in log
+
+
+def test_the_kv_term_is_left_out_where_no_capacity_is_known() -> None:
+    assert ProxyConfig(policy="ttft").policy_options()["kv_weight"] == 0.0
+    assert ProxyConfig(policy="ttft", kv_capacity_tokens=64).policy_options()["kv_weight"] == 1.0
+    given = ProxyConfig(policy="ttft", router_options={"kv_weight": 2.0})
+    assert given.policy_options()["kv_weight"] == 2.0
+    # A profile names its engines' capacity.
+    profiled = ProxyConfig(policy="ttft", router_options={"engine_profile": COSTS})
+    assert profiled.policy_options()["kv_weight"] == 1.0
 
 
 @settings(max_examples=50, deadline=None)
@@ -230,8 +228,7 @@ def test_the_kv_over_an_engines_cache_can_send_a_prefix_elsewhere(
 ) -> None:
     """The prefix is cached on 0, where a request of 70 tokens decodes: 14 ms to the first
     token there (one 10 ms step, 4 tokens), 46 ms on 1 (36 tokens). On 0, the 70 tokens and
-    this request's 36 are 42 over its cache of 64 tokens: 42 ms at a prefill token's cost, for
-    this request and for the one running there."""
+    this request's 36 are 42 over its cache of 64 tokens: 42 ms at a prefill token's cost."""
     costs = {**COSTS, "decode_s_per_seq": 0.0, "busy_handling_s": 0.0, "kv_capacity_tokens": 64}
     kw: dict[str, Any] = {"block_size": 4, "engine_profile": costs, "kv_weight": kv_weight}
     rust, ref = kvroute.Router(2, "ttft", **kw), ReferenceRouter(2, "ttft", **kw)

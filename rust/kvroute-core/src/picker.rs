@@ -254,8 +254,7 @@ pub fn kv_over(c: &TtftCosts, load: &InstanceLoad, input_length: u64) -> u64 {
 /// `ttft`: with a target, the most cache reuse (then the least predicted time) among the
 /// instances predicted to meet it; otherwise, or when none does, the least predicted time
 /// plus `delay_weight` times the delay its prefill adds to the requests running there, plus
-/// `kv_weight` times the time the tokens over the instance's KV capacity take to compute
-/// again, for this request and each running there.
+/// `kv_weight` times the tokens over the instance's KV capacity at `prefill_s_per_token`.
 fn ttft(
     c: &TtftCosts,
     p: &PolicyParams,
@@ -275,8 +274,7 @@ fn ttft(
     }
     input.argmin_tied(state, |l, new_prefill| {
         let delay = c.prefill_s_per_token * new_prefill as f64 * l.num_requests as f64;
-        let recompute = c.prefill_s_per_token * kv_over(c, l, input.input_length) as f64;
-        let kv_wait = recompute * (1.0 + l.num_requests as f64);
+        let kv_wait = c.prefill_s_per_token * kv_over(c, l, input.input_length) as f64;
         Some(predict(l, new_prefill) + p.delay_weight * delay + p.kv_weight * kv_wait)
     })
 }
