@@ -90,7 +90,7 @@ class Instance:
 
 
 #: The engine parameters ``ttft`` predicts with (``Router.ttft_costs``).
-TTFT_TERMS = (*COST_TERMS, "max_num_batched_tokens", "kv_capacity_tokens")
+TTFT_TERMS = (*COST_TERMS, "max_num_batched_tokens")
 
 
 @dataclass
@@ -135,7 +135,6 @@ class ReferenceRouter:
         engine_profile: dict[str, float] | None = None,
         ttft_slo_s: float = 0.0,
         delay_weight: float = 0.0,
-        kv_weight: float = 0.0,
     ) -> None:
         if num_instances < 0:
             raise InvalidArgumentError(f"num_instances must be >= 0, got {num_instances}")
@@ -163,7 +162,6 @@ class ReferenceRouter:
             ("temperature", temperature),
             ("ttft_slo_s", ttft_slo_s),
             ("delay_weight", delay_weight),
-            ("kv_weight", kv_weight),
         ]:
             if not math.isfinite(value) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0")
@@ -183,7 +181,6 @@ class ReferenceRouter:
         self.step_costs = engine_params("h20-qwen3-coder-30b-a3b", **(engine_profile or {}))
         self.ttft_slo_s = ttft_slo_s
         self.delay_weight = delay_weight
-        self.kv_weight = kv_weight
         self.instances = [Instance() for _ in range(num_instances)]
         self.requests: dict[Any, InFlight] = {}
         self.affinity: OrderedDict[Any, int] = OrderedDict()  # least recently routed first
@@ -608,10 +605,9 @@ class ReferenceRouter:
         """The least predicted time, LPWL's tie-breaks (new_prefill, num_requests, then
         round robin), the time plus ``delay_weight`` times the delay the request's prefill
         adds to the requests running there (``prefill_s_per_token * new_prefill *
-        num_requests``) plus ``kv_weight`` times the tokens its running requests and this one
-        would hold beyond ``kv_capacity_tokens``, at ``prefill_s_per_token``. With
-        ``ttft_slo_s`` > 0, first: among the instances predicted within it, the least
-        new_prefill, then the least predicted time, the same tie-breaks."""
+        num_requests``). With ``ttft_slo_s`` > 0, first: among the instances predicted
+        within it, the least new_prefill, then the least predicted time, the same
+        tie-breaks."""
 
         def key(i: int) -> tuple[float, int, int]:
             new = self.new_prefill(i, keys, n)
@@ -625,11 +621,8 @@ class ReferenceRouter:
 
         def cost(i: int) -> tuple[float, int, int]:
             t, new, running = key(i)
-            per_token = self.step_costs["prefill_s_per_token"]
-            delay = per_token * float(new) * running
-            held = min(self.instances[i].ongoing_tokens + n, U64_MAX)
-            kv_wait = per_token * float(max(0, held - int(self.step_costs["kv_capacity_tokens"])))
-            return (t + self.delay_weight * delay + self.kv_weight * kv_wait, new, running)
+            delay = self.step_costs["prefill_s_per_token"] * float(new) * running
+            return (t + self.delay_weight * delay, new, running)
 
         return self._min_round_robin(avail, cost)
 

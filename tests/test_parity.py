@@ -72,11 +72,9 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
             "request_overhead_s": draw(st.sampled_from([0.0095, 0.0])),
             "busy_handling_s": draw(st.sampled_from([0.0, 0.006, 0.5])),
             "max_num_batched_tokens": draw(st.sampled_from([2048, 1, 4, 16])),
-            "kv_capacity_tokens": draw(st.sampled_from([1_000_000, 16, 64, 512])),
         }
         kw["ttft_slo_s"] = draw(st.sampled_from([0.0, 0.0, 0.02, 0.5, 2.0, 100.0]))
         kw["delay_weight"] = draw(st.sampled_from([0.0, 1.0, 0.5, 4.0]))
-        kw["kv_weight"] = draw(st.sampled_from([0.0, 1.0, 0.5, 4.0]))
     return num_instances, kw
 
 

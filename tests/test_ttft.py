@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 import kvroute
 from kvroute import sim
 from kvroute.errors import InvalidArgumentError
-from kvroute.proxy.config import ProxyConfig
 from kvroute.proxy.ttft_fit import BUDGETS, MIN_SAMPLES, PRIOR, fit_costs, terms
 from kvroute.proxy.ttft_fit import COSTS as FIT_COSTS
 from kvroute.sim.profile import FORMAT, VERSION
@@ -108,12 +107,9 @@ def test_bad_costs_and_targets_are_named() -> None:
 
 
 def test_without_a_profile_the_proxy_fits_the_costs_to_the_first_tokens() -> None:
-    with Stack(2, proxy={"policy": "ttft", "kv_capacity_tokens": 4096}) as stack:
+    with Stack(2, proxy={"policy": "ttft"}) as stack:
         fitter = stack.proxy.ttft_costs
-        assert fitter is not None and stack.proxy.router.ttft_costs() == {
-            **PRIOR,
-            "kv_capacity_tokens": 4096,
-        }
+        assert fitter is not None and stack.proxy.router.ttft_costs() == PRIOR
         n = MIN_SAMPLES + 12
         for i in range(n):
             prompt = list(range(1000 * i, 1000 * i + 64 * (1 + i % 8)))
@@ -127,7 +123,6 @@ def test_without_a_profile_the_proxy_fits_the_costs_to_the_first_tokens() -> Non
         assert costs is not None and costs != PRIOR
         assert 0 <= costs["prefill_s_per_token"] < 1.0
         assert costs["max_num_batched_tokens"] in BUDGETS
-        assert costs["kv_capacity_tokens"] == 4096  # discovered, not fitted
         assert fitter.rms_s is not None and fitter.fits == 1
         _, _, metrics = http("GET", stack.url + "/metrics")
         text = metrics.decode()
@@ -156,18 +151,7 @@ def test_the_cli_says_how_ttft_gets_its_costs() -> None:
     log = proxy.log()
     said = "kvroute proxy: policy ttft without an engine profile: prefill tokens alone until 64"
     assert said in log
-    assert "kvroute proxy: ttft's KV term at " in log  # the emulator reports its KV cache
-    assert "kvroute proxy: policy ttft (delay_weight=1.0, kv_weight=1.0)" in log
-
-
-def test_the_kv_term_is_left_out_where_no_capacity_is_known() -> None:
-    assert ProxyConfig(policy="ttft").policy_options()["kv_weight"] == 0.0
-    assert ProxyConfig(policy="ttft", kv_capacity_tokens=64).policy_options()["kv_weight"] == 1.0
-    given = ProxyConfig(policy="ttft", router_options={"kv_weight": 2.0})
-    assert given.policy_options()["kv_weight"] == 2.0
-    # A profile names its engines' capacity.
-    profiled = ProxyConfig(policy="ttft", router_options={"engine_profile": COSTS})
-    assert profiled.policy_options()["kv_weight"] == 1.0
+    assert "kvroute proxy: policy ttft (delay_weight=1.0)" in log
 
 
 @settings(max_examples=50, deadline=None)
@@ -222,32 +206,6 @@ def test_the_fit_finds_costs_that_reproduce_the_times() -> None:
         fit_costs([])
 
 
-@pytest.mark.parametrize("kv_weight, instance", [(0.0, 0), (1.0, 1)])
-def test_the_kv_over_an_engines_cache_can_send_a_prefix_elsewhere(
-    kv_weight: float, instance: int
-) -> None:
-    """The prefix is cached on 0, where a request of 70 tokens decodes: 14 ms to the first
-    token there (one 10 ms step, 4 tokens), 46 ms on 1 (36 tokens). On 0, the 70 tokens and
-    this request's 36 are 42 over its cache of 64 tokens: 42 ms at a prefill token's cost."""
-    costs = {**COSTS, "decode_s_per_seq": 0.0, "busy_handling_s": 0.0, "kv_capacity_tokens": 64}
-    kw: dict[str, Any] = {"block_size": 4, "engine_profile": costs, "kv_weight": kv_weight}
-    rust, ref = kvroute.Router(2, "ttft", **kw), ReferenceRouter(2, "ttft", **kw)
-    for r in (rust, ref):
-        r.set_available(1, False)
-        r.route("warm", PREFIX, 32)
-        r.finish("warm")
-        r.route("big", list(range(50, 68)), 70)
-        r.first_token("big")
-        r.set_available(1, True)
-    assert rust.ttft_costs() == pytest.approx(ref.ttft_costs())
-    assert rust.ttft_costs()["kv_capacity_tokens"] == 64
-    got = rust.route_info("q", [*PREFIX, 9], 36)
-    assert got == ref.route_info("q", [*PREFIX, 9], 36)
-    assert (got["instance"], got["new_prefill"]) == (instance, 4 if instance == 0 else 36)
-    with pytest.raises(InvalidArgumentError, match="kv_weight"):
-        kvroute.Router(2, "ttft", kv_weight=-1.0)
-
-
 def profile(path: Path) -> Path:
     path.write_text(json.dumps({"format": FORMAT, "version": VERSION, "params": COSTS}))
     return path
@@ -280,7 +238,6 @@ def test_proxy_routes_with_a_profile_and_logs_its_predictions(tmp_path: Path) ->
     assert len({d["instance"] for d in lines}) == 1
     for d in lines:
         predicted = [t["predicted_ttft_s"] for t in d["terms"]]
-        assert [t["kv_over_tokens"] for t in d["terms"]] == [0, 0]  # the preset's large cache
         assert predicted[d["instance"]] == min(predicted)
     assert lines[2]["estimated_hit_tokens"] > 0
 
@@ -314,8 +271,7 @@ def test_the_delay_to_the_running_requests_can_send_a_prefix_elsewhere(
             r.first_token(f"busy{j}")
         r.set_available(1, True)
         r.set_ttft_costs(costs)
-    assert rust.ttft_costs() == pytest.approx(ref.ttft_costs())
-    assert {k: v for k, v in rust.ttft_costs().items() if k in PRIOR} == {**PRIOR, **costs}
+    assert rust.ttft_costs() == pytest.approx(ref.ttft_costs()) == {**PRIOR, **costs}
     got = rust.route_info("q", [*PREFIX, 9], 36)
     assert got == ref.route_info("q", [*PREFIX, 9], 36)
     assert got["instance"] == instance

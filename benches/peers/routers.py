@@ -215,12 +215,6 @@ ARMS: dict[str, Arm] = {
         Arm("kvroute-ttft", "kvroute", _kvroute_ttft(), needs_profile=True),
         # The same without a profile: the costs fitted to the proxy's own first tokens.
         Arm("kvroute-ttft-online", "kvroute", _kvroute("--policy", "ttft")),
-        # ... without the term for the KV an engine would hold beyond its cache.
-        Arm(
-            "kvroute-ttft-online-nokv",
-            "kvroute",
-            _kvroute("--policy", "ttft", "--router-option", "kv_weight=0"),
-        ),
         # ... behind the token cap with holds (`kvroute-tokens`).
         Arm("kvroute-ttft-tokens", "kvroute", _kvroute("--policy", "ttft", *TOKEN_CAP, *HOLDS)),
         # ... without the delay a prefill adds to the requests running on the engine.

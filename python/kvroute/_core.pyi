@@ -158,7 +158,6 @@ class Router:
         engine_profile: dict[str, float] | None = None,
         ttft_slo_s: float = 0.0,
         delay_weight: float = 0.0,
-        kv_weight: float = 0.0,
     ) -> Router: ...
     def route(
         self,

@@ -66,19 +66,6 @@ def token_cap(value: str | None, urls: list[str], who: str) -> int | None:
     return tokens
 
 
-def ttft_kv_capacity(policy: str, profile: Path | None, urls: list[str]) -> int | None:
-    """For ``--policy ttft`` without an engine profile: the engines' KV capacity in tokens
-    its KV term reads (logged), or None when no backend reports one."""
-    if policy != "ttft" or profile is not None:
-        return None
-    from kvroute.proxy.discover import kv_tokens
-
-    tokens, why = kv_tokens(urls)
-    said = f"at {tokens} tokens per engine" if tokens else "left out"
-    click.echo(f"kvroute proxy: ttft's KV term {said} ({why})", err=True)
-    return tokens
-
-
 def admission_options(f: F) -> F:
     """``--max-in-flight``, ``--max-in-flight-tokens``, ``--queue-size``,
     ``--queue-patience``, ``--queue-hold`` and ``--queue-hold-yield`` (``docs/proxy.md``,
@@ -350,9 +337,6 @@ def proxy(**kw: Any) -> None:
             overload_kv_usage=kw["overload_kv_usage"],
             max_in_flight=kw["max_in_flight"],
             max_in_flight_tokens=token_cap(kw["max_in_flight_tokens"], kw["backends"], "proxy"),
-            kv_capacity_tokens=ttft_kv_capacity(
-                kw["policy"], kw["engine_profile"], list(kw["backends"])
-            ),
             queue_size=kw["queue_size"],
             queue_timeout_s=kw["queue_timeout"],
             queue_patience_s=kw["queue_patience"],

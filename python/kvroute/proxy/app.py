@@ -89,9 +89,7 @@ class Proxy:
         self.caches = EngineCaches(self.pool, self.router, None, explicit, bound)
         self.ttft_costs: OnlineTtftCosts | None = None
         if config.fits_ttft_costs:
-            self.ttft_costs = OnlineTtftCosts(
-                lambda: self._relay, self.router, kv_capacity_tokens=config.kv_capacity_tokens
-            )
+            self.ttft_costs = OnlineTtftCosts(lambda: self._relay, self.router)
             log.info(
                 "policy ttft without an engine profile: prefill tokens alone until %d first "
                 "tokens have come (leastwork's rule, with the delay term), then costs fitted "

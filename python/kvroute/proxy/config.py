@@ -41,9 +41,8 @@ POLICY_OPTIONS: dict[str, dict[str, Any]] = {
     "dynamo_cost": {"overlap_weight": 8.0},
     "unified_dynamo": {"overlap_weight": 8.0},
     # `ttft` counts the delay a request's prefill adds to the requests running where it goes,
-    # so a prompt is prefilled again elsewhere only when that is quicker for all of them, and
-    # the tokens an engine would hold beyond its KV cache (``kv_capacity_tokens``).
-    "ttft": {"delay_weight": 1.0, "kv_weight": 1.0},
+    # so a prompt is prefilled again elsewhere only when that is quicker for all of them.
+    "ttft": {"delay_weight": 1.0},
 }
 
 
@@ -88,9 +87,6 @@ class ProxyConfig:
     #: Leave out an engine with this many prompt tokens in flight; admission binds a request
     #: only where its tokens fit beside them and those held (``docs/proxy.md``).
     max_in_flight_tokens: int | None = None
-    #: The engines' KV capacity in tokens, for ``ttft``'s KV term when its costs are fitted
-    #: while serving (None: not known, the term is left out; an engine profile names its own).
-    kv_capacity_tokens: int | None = None
     #: Admission (``docs/proxy.md``, "Admission"): while every engine is overloaded, up to
     #: this many requests wait in the router's queue (None: none wait, all engines take part).
     queue_size: int | None = None
@@ -188,11 +184,7 @@ class ProxyConfig:
 
     def policy_options(self) -> dict[str, Any]:
         """The router's keywords for this policy: ``POLICY_OPTIONS`` under ``router_options``."""
-        options = {**POLICY_OPTIONS.get(self.policy, {}), **self.router_options}
-        unknown = self.fits_ttft_costs and self.kv_capacity_tokens is None
-        if unknown and "kv_weight" not in self.router_options:
-            options["kv_weight"] = 0.0  # no KV capacity to measure against
-        return options
+        return {**POLICY_OPTIONS.get(self.policy, {}), **self.router_options}
 
     @property
     def fits_ttft_costs(self) -> bool:

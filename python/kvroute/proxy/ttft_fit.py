@@ -123,7 +123,6 @@ class OnlineTtftCosts:
         router: Any,
         interval_s: float = 5.0,
         window: int = 2048,
-        kv_capacity_tokens: int | None = None,
     ) -> None:
         self.relay = relay
         self.router = router
@@ -131,11 +130,7 @@ class OnlineTtftCosts:
         self.samples: deque[Sample] = deque(maxlen=window)
         self.fits = 0
         self.rms_s: float | None = None
-        # The engines' KV capacity is not fitted: every fit carries the one discovered.
-        self.fixed: dict[str, float] = {}
-        if kv_capacity_tokens is not None:
-            self.fixed["kv_capacity_tokens"] = float(kv_capacity_tokens)
-        router.set_ttft_costs({**PRIOR, **self.fixed})
+        router.set_ttft_costs(PRIOR)
 
     def refit(self) -> bool:
         """Take the relay's new samples and refit when there are enough; whether it did."""
@@ -145,7 +140,7 @@ class OnlineTtftCosts:
         if not new or len(self.samples) < MIN_SAMPLES:
             return False
         costs, self.rms_s = fit_costs(list(self.samples))
-        self.router.set_ttft_costs({**costs, **self.fixed})
+        self.router.set_ttft_costs(costs)
         self.fits += 1
         level = logging.INFO if self.fits == 1 else logging.DEBUG
         log.log(

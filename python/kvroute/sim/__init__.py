@@ -56,7 +56,6 @@ PARAM_POLICIES = {
     "temperature": ("dynamo_cost", "unified_dynamo"),
     "ttft_slo_s": ("ttft",),
     "delay_weight": ("ttft",),
-    "kv_weight": ("ttft",),
     # Admission at the router (``docs/simulator.md``): every policy reads them.
     "max_in_flight": (*_core.policies(), "capped"),
     "max_in_flight_tokens": (*_core.policies(), "capped"),

@@ -245,16 +245,9 @@ pub fn predicted_ttft(c: &TtftCosts, load: &InstanceLoad, new_prefill: u64, inpu
         + if load.num_requests > 0 { c.busy_handling_s } else { 0.0 }
 }
 
-/// The tokens that the requests running on an instance and this one would hold beyond its KV
-/// capacity: the engine has to wait for them to be freed, or preempt and recompute them.
-pub fn kv_over(c: &TtftCosts, load: &InstanceLoad, input_length: u64) -> u64 {
-    load.ongoing_tokens.saturating_add(input_length).saturating_sub(c.kv_capacity_tokens)
-}
-
 /// `ttft`: with a target, the most cache reuse (then the least predicted time) among the
 /// instances predicted to meet it; otherwise, or when none does, the least predicted time
-/// plus `delay_weight` times the delay its prefill adds to the requests running there, plus
-/// `kv_weight` times the tokens over the instance's KV capacity at `prefill_s_per_token`.
+/// plus `delay_weight` times the delay its prefill adds to the requests running there.
 fn ttft(
     c: &TtftCosts,
     p: &PolicyParams,
@@ -274,8 +267,7 @@ fn ttft(
     }
     input.argmin_tied(state, |l, new_prefill| {
         let delay = c.prefill_s_per_token * new_prefill as f64 * l.num_requests as f64;
-        let kv_wait = c.prefill_s_per_token * kv_over(c, l, input.input_length) as f64;
-        Some(predict(l, new_prefill) + p.delay_weight * delay + p.kv_weight * kv_wait)
+        Some(predict(l, new_prefill) + p.delay_weight * delay)
     })
 }
 

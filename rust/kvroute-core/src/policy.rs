@@ -125,10 +125,6 @@ pub struct PolicyParams {
     /// an instance (its new tokens at `prefill_s_per_token`, once per such request); 0 leaves
     /// it out.
     pub delay_weight: f64,
-    /// `ttft`: weight of the time an instance needs to free the KV its running requests and
-    /// this one would hold beyond its capacity (those tokens at `prefill_s_per_token`); 0
-    /// leaves it out.
-    pub kv_weight: f64,
 }
 
 /// The step-time terms `ttft` predicts with: an engine profile's (`kvroute calibrate`), or
@@ -156,8 +152,6 @@ pub struct TtftCosts {
     pub busy_handling_s: f64,
     /// Prefill tokens one step takes at most (`max_num_batched_tokens`).
     pub max_num_batched_tokens: u64,
-    /// Tokens an instance's KV cache holds (read by the `kv_weight` term only).
-    pub kv_capacity_tokens: u64,
 }
 
 impl TtftCosts {
@@ -207,7 +201,6 @@ impl Default for PolicyParams {
             ttft_costs: None,
             ttft_slo_s: 0.0,
             delay_weight: 0.0,
-            kv_weight: 0.0,
         }
     }
 }
@@ -225,7 +218,6 @@ impl PolicyParams {
             ("temperature", self.temperature, 0.0),
             ("ttft_slo_s", self.ttft_slo_s, 0.0),
             ("delay_weight", self.delay_weight, 0.0),
-            ("kv_weight", self.kv_weight, 0.0),
         ];
         for (name, value, min) in checks {
             if !value.is_finite() || value < min {

@@ -58,11 +58,11 @@ impl PyRouter {
         temperature = RealArg::of(0.0),
         cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map"),
         load_source = TextArg::of("router"), engine_profile = None, ttft_slo_s = RealArg::of(0.0),
-        delay_weight = RealArg::of(0.0), kv_weight = RealArg::of(0.0)),
+        delay_weight = RealArg::of(0.0)),
         text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
         cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
         balance_abs=32, balance_rel=1.1, overlap_weight=1.0, queued_weight=0.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map', \
-        load_source='router', engine_profile=None, ttft_slo_s=0.0, delay_weight=0.0, kv_weight=0.0)")]
+        load_source='router', engine_profile=None, ttft_slo_s=0.0, delay_weight=0.0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,7 +88,6 @@ impl PyRouter {
         engine_profile: Option<Bound<'_, PyDict>>,
         ttft_slo_s: RealArg,
         delay_weight: RealArg,
-        kv_weight: RealArg,
     ) -> PyResult<Self> {
         let max_instances = MAX_INSTANCES as i128;
         let n: usize = num_instances.get(py, "num_instances", 0, max_instances)?;
@@ -112,7 +111,6 @@ impl PyRouter {
                 ttft_costs: Some(build_params(py, TTFT_PRESET, engine_profile.as_ref())?.ttft_costs()),
                 ttft_slo_s: real(&ttft_slo_s, "ttft_slo_s")?,
                 delay_weight: real(&delay_weight, "delay_weight")?,
-                kv_weight: real(&kv_weight, "kv_weight")?,
             },
             cache_view: CacheView::from_name(cache_view.get(py, "cache_view")?).map_err(|e| to_py(py, e))?,
             pending_ttl: Duration::from_secs_f64(pending_ttl_s.get(py, "pending_ttl_s", 0.0)?.min(1e9)),
@@ -254,7 +252,6 @@ impl PyRouter {
             d.set_item(name, value)?;
         }
         d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;
-        d.set_item("kv_capacity_tokens", c.kv_capacity_tokens)?;
         Ok(Some(d))
     }
 

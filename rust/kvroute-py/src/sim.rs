@@ -155,7 +155,6 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                 "temperature" => &mut params.temperature,
                 "ttft_slo_s" => &mut params.ttft_slo_s,
                 "delay_weight" => &mut params.delay_weight,
-                "kv_weight" => &mut params.kv_weight,
                 "balance_abs" => {
                     let v: f64 = v.extract()?;
                     if !(v >= 0.0 && v.fract() == 0.0) {
@@ -169,7 +168,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         py,
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
-                         cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, delay_weight, kv_weight, \
+                         cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, delay_weight, \
                          max_in_flight, max_in_flight_tokens, queue_patience_s, queue_hold_s, queue_hold_yield_s"
                         ),
                     ))

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::reply::json_str;
 use crate::jobs::locked;
-use crate::picker::{kv_over, predicted_ttft, InstanceLoad};
+use crate::picker::{predicted_ttft, InstanceLoad};
 use crate::{Decision, Id, Policy, Router};
 
 /// Per-instance score terms before a decision.
@@ -50,12 +50,8 @@ impl Terms {
                 st.overloaded,
             );
             if let Some(c) = costs {
-                let _ = write!(
-                    out,
-                    ",\"predicted_ttft_s\":{:.6},\"kv_over_tokens\":{}",
-                    predicted_ttft(c, load, new, input_length),
-                    kv_over(c, load, input_length)
-                );
+                let _ =
+                    write!(out, ",\"predicted_ttft_s\":{:.6}", predicted_ttft(c, load, new, input_length));
             }
             let _ = match st.engine {
                 Some(e) => write!(

@@ -219,7 +219,6 @@ impl EngineParams {
             request_overhead_s: self.request_overhead_s,
             busy_handling_s: self.busy_handling_s,
             max_num_batched_tokens: self.max_num_batched_tokens,
-            kv_capacity_tokens: self.capacity_tokens(),
         }
     }
 
