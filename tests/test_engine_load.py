@@ -175,3 +175,35 @@ def test_the_overload_rule_checks_its_arguments() -> None:
     }
     with pytest.raises(kvroute.InvalidArgumentError, match="load_interval_s"):
         ProxyConfig(backends=["http://a:1"], load_interval_s=float("nan"))
+
+
+def test_the_token_cap_counts_a_prefix_held_in_flight_once() -> None:
+    """Three requests of one 32-token prefix and a block of their own are 108 prompt tokens,
+    of which the engine holds the prefix once: 44, under a cap of 50; two requests with no
+    block in common are 72, over it. Counts follow the requests as they end."""
+    prefix = list(range(1, 9))  # 8 blocks of 4 tokens
+    r = kvroute.Router(2, "round_robin", block_size=4)
+    r.set_overload_rule(tokens=50)
+    r.set_available(1, False)
+    for j in range(3):
+        r.route(f"p{j}", [*prefix, 100 + j], 36)
+    assert not r.state()[0]["overloaded"]
+    r.route("other", list(range(200, 209)), 36)  # 44 + 36
+    assert r.state()[0]["overloaded"]
+    for j in range(3):
+        r.finish(f"p{j}")
+    assert not r.state()[0]["overloaded"]  # 36
+    r.route("twin", list(range(300, 309)), 36)
+    assert r.state()[0]["overloaded"]  # 72, nothing shared
+    r.finish("twin")
+    # The cap off and on again while requests are in flight: no count goes wrong.
+    r.set_overload_rule()
+    r.route("untracked", [*prefix, 7], 36)
+    r.set_overload_rule(tokens=50)
+    r.route("tracked", [*prefix, 8], 36)
+    r.finish("untracked")
+    assert r.state()[0]["overloaded"]  # other and tracked: 72
+    r.finish("tracked")
+    r.finish("other")
+    assert [s["num_requests"] for s in r.state()] == [0, 0]
+    assert not r.state()[0]["overloaded"]

@@ -6,7 +6,8 @@
 //! waiting there too (as SMG credits its dispatches), so that a burst does not all land on the
 //! engine that looked idle. An engine is overloaded when that waiting count reaches the rule's
 //! `waiting`, its KV usage its `kv_usage`, its requests in flight (as the policies read
-//! them, below) its `in_flight`, or the prompt tokens of those its `tokens`; an overloaded
+//! them, below) its `in_flight`, or the prompt tokens of those (a block that several hold
+//! once, as the engine holds it) its `tokens`; an overloaded
 //! engine is left out of a decision while an available one is not overloaded, and takes part
 //! when every one is (the policies' formulas are untouched: they choose among the engines
 //! left).
@@ -39,7 +40,8 @@ pub struct OverloadRule {
     /// Requests in flight there as the policies read them (`num_requests`, with the outside
     /// requests under [`LoadSource::Engine`]) at or above which; needs no report.
     pub in_flight: Option<u64>,
-    /// Prompt tokens in flight there (`ongoing_tokens`, with the outside requests' under
+    /// Prompt tokens in flight there (`ongoing_tokens` less the blocks that several of those
+    /// requests share, counted once; with the outside requests' under
     /// [`LoadSource::Engine`]) at or above which; needs no report. Admission binds a request
     /// only where its own tokens fit under it too ([`Router::takes`]).
     pub tokens: Option<u64>,
@@ -197,6 +199,7 @@ impl Router {
             )));
         }
         self.engine.rule = rule;
+        self.held.track(rule.tokens.is_some(), self.loads.len());
         Ok(())
     }
 
@@ -238,11 +241,13 @@ impl Router {
         }
     }
 
-    /// Prompt tokens in flight on instance `i` as the token cap counts them (the outside
-    /// requests' at this router's mean request).
+    /// Prompt tokens in flight on instance `i` as the token cap counts them: a block that
+    /// several of them hold once, as the engine holds it (the outside requests' at this
+    /// router's mean request).
     fn tokens_on(&self, i: usize) -> u64 {
         let outside = self.engine.at_mean_input(self.outside_on(i));
-        self.loads[i].ongoing_tokens.saturating_add(outside)
+        let shared = self.held.shared_blocks(i).saturating_mul(self.config.block_size);
+        self.loads[i].ongoing_tokens.saturating_sub(shared).saturating_add(outside)
     }
 
     /// Requests in flight on instance `i` as the in-flight cap counts them.

@@ -59,6 +59,7 @@ impl Router {
         self.loads.push(InstanceLoad { available: true, ..InstanceLoad::default() });
         self.available_totals.1 += 1;
         self.engine.add_instance();
+        self.held.add_instance();
         if let Some(e) = &mut self.events {
             e.add_instance();
         }

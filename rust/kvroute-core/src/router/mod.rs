@@ -28,6 +28,7 @@ use crate::sessions::{shared_affinity, Affinity};
 
 mod config;
 mod engine_load;
+mod held;
 mod instances;
 mod kv_events;
 
@@ -72,6 +73,8 @@ struct InFlight {
     input_length: u64,
     new_prefill: u64,
     first_token_seen: bool,
+    /// The keys it holds there, where the router counts the blocks held in flight.
+    held: Box<[u64]>,
 }
 
 /// A KV-cache-aware router over a set of instances.
@@ -96,6 +99,8 @@ pub struct Router {
     engine: engine_load::EngineLoads,
     /// The loads the policies read when they are not the router's own (`engine_load`).
     seen: Vec<InstanceLoad>,
+    /// The blocks held in flight, a shared one once, under a token cap (`held`).
+    held: held::HeldBlocks,
 }
 
 /// A policy's pick before it is counted: the instance, why, the blocks of the request it
@@ -138,6 +143,7 @@ impl Router {
             merged: Vec::new(),
             available_totals: (0, num_instances as u64),
             engine: engine_load::EngineLoads::new(num_instances),
+            held: held::HeldBlocks::default(),
             seen: Vec::new(),
             config,
         })
@@ -276,8 +282,15 @@ impl Router {
         if let (Some(s), true) = (session, self.uses_affinity() && !self.config.shared_affinity) {
             self.affinity.set(s, instance);
         }
+        let held: Box<[u64]> = match self.held.tracking() {
+            true => {
+                self.held.add(instance, &keys[..stored]);
+                keys[..stored].into()
+            }
+            false => Box::default(),
+        };
         self.requests
-            .insert(request, InFlight { instance, input_length, new_prefill, first_token_seen: false });
+            .insert(request, InFlight { instance, input_length, new_prefill, first_token_seen: false, held });
         Ok(Decision { instance, hit_tokens: hit, new_prefill, branch })
     }
 
@@ -402,6 +415,7 @@ impl Router {
         } else {
             load.pending_prefill_tokens -= r.new_prefill;
         }
+        self.held.remove(r.instance, &r.held);
         true
     }
 
