@@ -43,8 +43,8 @@ impl HeldBlocks {
         }
     }
 
-    /// A request holding `keys` went to `instance`; the shared blocks there now.
-    pub fn add(&mut self, instance: usize, keys: &[u64]) -> u64 {
+    /// A request holding `keys` went to `instance`.
+    pub fn add(&mut self, instance: usize, keys: &[u64]) {
         let (holders, shared) = &mut self.instances[instance];
         for &k in keys {
             let count = holders.entry(k).or_insert(0);
@@ -53,13 +53,11 @@ impl HeldBlocks {
             }
             *count += 1;
         }
-        *shared
     }
 
-    /// A request holding `keys` on `instance` ended; the shared blocks there now (0 when not
-    /// tracking).
-    pub fn remove(&mut self, instance: usize, keys: &[u64]) -> u64 {
-        let Some((holders, shared)) = self.instances.get_mut(instance) else { return 0 };
+    /// A request holding `keys` on `instance` ended (nothing when not tracking).
+    pub fn remove(&mut self, instance: usize, keys: &[u64]) {
+        let Some((holders, shared)) = self.instances.get_mut(instance) else { return };
         for k in keys {
             let Some(count) = holders.get_mut(k) else { continue };
             *count -= 1;
@@ -69,7 +67,6 @@ impl HeldBlocks {
                 holders.remove(k);
             }
         }
-        *shared
     }
 }
 
@@ -81,16 +78,21 @@ mod tests {
     fn a_block_shared_in_flight_counts_once() {
         let mut held = HeldBlocks::default();
         held.track(true, 2);
-        assert_eq!(held.add(0, &[1, 2, 3]), 0);
-        assert_eq!(held.add(0, &[1, 2, 4]), 2);
-        assert_eq!(held.add(1, &[1, 2]), 0);
-        assert_eq!(held.add(0, &[1, 1]), 4);
-        assert_eq!(held.remove(0, &[1, 2, 3]), 2);
-        assert_eq!(held.remove(0, &[1, 1]), 0);
-        assert_eq!(held.remove(0, &[1, 2, 4]), 0);
+        let mut shared_after = |op: fn(&mut HeldBlocks, usize, &[u64]), i: usize, keys: &[u64]| {
+            op(&mut held, i, keys);
+            held.shared_blocks(i)
+        };
+        assert_eq!(shared_after(HeldBlocks::add, 0, &[1, 2, 3]), 0);
+        assert_eq!(shared_after(HeldBlocks::add, 0, &[1, 2, 4]), 2);
+        assert_eq!(shared_after(HeldBlocks::add, 1, &[1, 2]), 0);
+        assert_eq!(shared_after(HeldBlocks::add, 0, &[1, 1]), 4);
+        assert_eq!(shared_after(HeldBlocks::remove, 0, &[1, 2, 3]), 2);
+        assert_eq!(shared_after(HeldBlocks::remove, 0, &[1, 1]), 0);
+        assert_eq!(shared_after(HeldBlocks::remove, 0, &[1, 2, 4]), 0);
         assert!(held.instances[0].0.is_empty());
         held.track(false, 2);
         assert!(!held.tracking());
-        assert_eq!(held.remove(1, &[1, 2]), 0);
+        held.remove(1, &[1, 2]);
+        assert_eq!(held.shared_blocks(1), 0);
     }
 }
