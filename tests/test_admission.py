@@ -243,6 +243,30 @@ def test_a_token_cap_admits_what_fits_beside_the_tokens_in_flight_and_held() -> 
         assert e0.served == [[1, 2, 3], [1, 2, 3, 6], [4, 5]]
 
 
+def test_a_token_cap_does_not_count_a_prefix_in_flight_again() -> None:
+    """Under ``max_in_flight_tokens`` a request whose prefix a request in flight on the
+    engine holds adds only its own tokens: it goes beside it (4,097 + 1 under 5,000), where a
+    prompt as long with nothing in common waits until both have ended."""
+    config = {"max_in_flight": None, "max_in_flight_tokens": 5000, "queue_size": 8}
+    with stack(1, **config, queue_patience_s=0.0) as (url, proxy, (e0,)):
+        first = send(url, [*PREFIX, 1])
+        wait_until(lambda: e0.arrived == 1, what="the first on the engine")
+        twin = send(url, [*PREFIX, 2])
+        wait_until(lambda: e0.arrived == 2, what="the twin beside it")
+        fresh = send(url, list(range(10_000, 14_097)))
+        wait_until(lambda: queue(proxy)["waiting"] == 1, what="the fresh prompt to wait")
+        e0.release()
+        first["thread"].join()
+        assert queue(proxy)["waiting"] == 1, "4,097 in flight and 4,097 more do not fit"
+        e0.release()
+        wait_until(lambda: e0.arrived == 3, what="the fresh prompt once the engine is empty")
+        e0.release()
+        for r in (first, twin, fresh):
+            r["thread"].join()
+            assert r["status"] == 200
+        assert queue(proxy)["queued"] == 1
+
+
 def test_a_full_queue_and_a_long_wait_get_503_with_retry_after() -> None:
     with stack(1, queue_size=1, queue_timeout_s=0.5) as (url, proxy, (e0,)):
         busy = send(url, [1])

@@ -279,7 +279,7 @@ async fn admit(job: &Job, req: &Request) -> Result<(Routed, f64), Response<Out>>
     };
     if let Some(h) = keyed.session.as_ref().and_then(|s| adm.take_hold(s)) {
         let mut router = locked(&sh.router);
-        if router.takes(h, keyed.input_length, adm.held_on(h, keyed.session.as_ref())) {
+        if router.takes(h, &keyed.keys, keyed.input_length, adm.held_on(h, keyed.session.as_ref())) {
             return Ok((route(&mut router, sh, &job.rid, keyed, Target::On(h)), 0.0));
         }
     }
@@ -322,7 +322,7 @@ fn try_admit(router: &mut Router, job: &Job, ticket: Option<&Ticket<'_>>, patien
     let (sh, k) = (&*job.sh, &job.keyed);
     let adm = sh.admission.as_ref()?;
     let session = k.session.as_ref();
-    let room = |router: &Router, i: usize| router.takes(i, k.input_length, adm.held_on(i, session));
+    let room = |router: &Router, i: usize| router.takes(i, &k.keys, k.input_length, adm.held_on(i, session));
     let preferred = router.preferred(&k.keys, k.input_length, session);
     if let Some(t) = ticket {
         t.prefer(preferred);

@@ -268,18 +268,20 @@ impl Router {
         }
     }
 
-    /// Whether instance `i` takes a request of `input_length` tokens now, with `held` rooms
-    /// and prompt tokens kept there for other sessions' next requests (admission's holds):
-    /// it has more room than the rooms held ([`Router::room_on`]) and, under a token cap, its
-    /// tokens in flight, the held ones and the request's stay within the cap (an engine with
-    /// nothing in flight or held takes a request of any length).
-    pub fn takes(&self, i: usize, input_length: u64, held: (u64, u64)) -> bool {
+    /// Whether instance `i` takes a request of `input_length` tokens and `keys` now, with
+    /// `held` rooms and prompt tokens kept there for other sessions' next requests
+    /// (admission's holds): it has more room than the rooms held ([`Router::room_on`]) and,
+    /// under a token cap, its tokens in flight, the held ones and the request's stay within
+    /// the cap, the request's leading blocks that a request in flight there holds already not
+    /// counted (an engine with nothing in flight or held takes a request of any length).
+    pub fn takes(&self, i: usize, keys: &[u64], input_length: u64, held: (u64, u64)) -> bool {
         if self.room_on(i) <= held.0 {
             return false;
         }
         let Some(cap) = self.engine.rule.tokens else { return true };
         let used = self.tokens_on(i).saturating_add(held.1);
-        used == 0 || used.saturating_add(input_length) <= cap
+        let shared = self.held.held_prefix(i, keys).saturating_mul(self.config.block_size);
+        used == 0 || used.saturating_add(input_length.saturating_sub(shared)) <= cap
     }
 
     /// Whether some available instance is not overloaded: a request routed now has room
@@ -421,27 +423,40 @@ mod tests {
     fn a_token_cap_takes_what_fits_and_anything_on_an_empty_engine() {
         let mut r = Router::new(2, Policy::RoundRobin, RouterConfig::default()).unwrap();
         r.set_overload_rule(OverloadRule { tokens: Some(1000), ..OverloadRule::default() }).unwrap();
-        assert!(r.takes(0, 5000, (0, 0)), "an empty engine takes any length");
-        assert!(!r.takes(0, 600, (0, 500)), "nor with tokens held for another session");
-        assert!(!r.takes(0, 10, (u64::MAX, 0)), "nor with every room held");
+        assert!(r.takes(0, &[], 5000, (0, 0)), "an empty engine takes any length");
+        assert!(!r.takes(0, &[], 600, (0, 500)), "nor with tokens held for another session");
+        assert!(!r.takes(0, &[], 10, (u64::MAX, 0)), "nor with every room held");
         assert_eq!(r.route(Id::Int(0), &[], 600, None).unwrap().instance, 0);
-        assert!(r.takes(0, 400, (0, 0)) && !r.takes(0, 401, (0, 0)) && !r.takes(0, 400, (0, 1)));
+        assert!(r.takes(0, &[], 400, (0, 0)) && !r.takes(0, &[], 401, (0, 0)) && !r.takes(0, &[], 400, (0, 1)));
         assert!(!r.is_overloaded(0));
         assert_eq!(r.route(Id::Int(1), &[], 10, None).unwrap().instance, 1);
         assert_eq!(r.route(Id::Int(2), &[], 400, None).unwrap().instance, 0);
-        assert!(r.is_overloaded(0) && !r.takes(0, 1, (0, 0)) && r.takes(1, 990, (0, 0)));
+        assert!(r.is_overloaded(0) && !r.takes(0, &[], 1, (0, 0)) && r.takes(1, &[], 990, (0, 0)));
         r.finish(&Id::Int(0));
-        assert!(!r.is_overloaded(0) && r.takes(0, 600, (0, 0)));
+        assert!(!r.is_overloaded(0) && r.takes(0, &[], 600, (0, 0)));
         let free = Router::new(1, Policy::RoundRobin, RouterConfig::default()).unwrap();
-        assert!(free.takes(0, u64::MAX, (0, u64::MAX)), "no cap");
+        assert!(free.takes(0, &[], u64::MAX, (0, u64::MAX)), "no cap");
         // Under LoadSource::Engine an outside request counts at the router's mean prompt.
         let config = RouterConfig { load_source: LoadSource::Engine, ..RouterConfig::default() };
         let mut r = Router::new(1, Policy::RoundRobin, config).unwrap();
         r.set_overload_rule(OverloadRule { tokens: Some(1000), ..OverloadRule::default() }).unwrap();
         r.route(Id::Int(0), &[], 400, None).unwrap();
-        assert!(r.takes(0, 600, (0, 0)));
+        assert!(r.takes(0, &[], 600, (0, 0)));
         r.set_engine_load(0, 2, 0, 0.1).unwrap();
-        assert!(!r.takes(0, 201, (0, 0)) && r.takes(0, 200, (0, 0)), "400 + 400 outside");
+        assert!(!r.takes(0, &[], 201, (0, 0)) && r.takes(0, &[], 200, (0, 0)), "400 + 400 outside");
+    }
+
+    #[test]
+    fn a_token_cap_does_not_count_a_prefix_held_in_flight_again() {
+        let config = RouterConfig { block_size: 100, ..RouterConfig::default() };
+        let mut r = Router::new(1, Policy::RoundRobin, config).unwrap();
+        r.set_overload_rule(OverloadRule { tokens: Some(1000), ..OverloadRule::default() }).unwrap();
+        r.route(Id::Int(0), &[1, 2, 3, 4, 5], 550, None).unwrap();
+        assert!(!r.takes(0, &[9, 2, 3, 4, 5], 500, (0, 0)), "550 + 500: only a leading block is shared");
+        assert!(r.takes(0, &[1, 2, 3, 4, 9], 850, (0, 0)), "550 + 850 - 400 held");
+        assert!(!r.takes(0, &[1, 2, 3, 4, 9], 851, (0, 0)));
+        r.route(Id::Int(1), &[1, 2, 3, 4, 9], 840, None).unwrap();
+        assert!(r.takes(0, &[1, 2, 3, 4], 410, (0, 0)) && !r.takes(0, &[1, 2, 3, 4], 411, (0, 0)), "990 in");
     }
 
     #[test]

@@ -37,6 +37,13 @@ impl HeldBlocks {
         self.instances.get(instance).map_or(0, |(_, shared)| *shared)
     }
 
+    /// Leading blocks of `keys` that a request in flight on `instance` holds (0 when not
+    /// tracking): O(that many) lookups.
+    pub fn held_prefix(&self, instance: usize, keys: &[u64]) -> u64 {
+        let Some((holders, _)) = self.instances.get(instance) else { return 0 };
+        keys.iter().take_while(|k| holders.contains_key(k)).count() as u64
+    }
+
     pub fn add_instance(&mut self) {
         if self.tracking() {
             self.instances.push(Default::default());
@@ -90,6 +97,8 @@ mod tests {
         assert_eq!(shared_after(HeldBlocks::remove, 0, &[1, 1]), 0);
         assert_eq!(shared_after(HeldBlocks::remove, 0, &[1, 2, 4]), 0);
         assert!(held.instances[0].0.is_empty());
+        held.add(0, &[1, 2, 3]);
+        assert_eq!((held.held_prefix(0, &[1, 2, 5, 3]), held.held_prefix(0, &[5, 1])), (2, 0));
         held.track(false, 2);
         assert!(!held.tracking());
         held.remove(1, &[1, 2]);

@@ -157,7 +157,7 @@ impl Waiting {
             let Some(x) = router.preferred(trace.keys_of(i), input, Some(&session)) else {
                 continue;
             };
-            if router.takes(x, input, self.held_on(a, x, w.session, t)) && !self.claimed[x] {
+            if router.takes(x, trace.keys_of(i), input, self.held_on(a, x, w.session, t)) && !self.claimed[x] {
                 let w = self.list.remove(k).expect("an index of the list");
                 return Some((w, Bind::On(x)));
             }
@@ -169,7 +169,7 @@ impl Waiting {
         }
         let input = trace.input_length[first.row as usize] as u64;
         let no_room: Vec<usize> =
-            (0..n).filter(|&i| !router.takes(i, input, self.held_on(a, i, first.session, t))).collect();
+            (0..n).filter(|&i| !router.takes(i, trace.keys_of(first.row as usize), input, self.held_on(a, i, first.session, t))).collect();
         if no_room.len() == n {
             return None;
         }
