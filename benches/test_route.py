@@ -71,12 +71,12 @@ def test_route_unified_kvroute_list_keys(benchmark: Any) -> None:
     _bench(benchmark, router, "kvroute[list]", "unified", 8, 128, "list")
 
 
-@pytest.mark.parametrize("policy", ["lmetric", "leastwork"])
+@pytest.mark.parametrize("policy", ["lmetric", "leastwork", "unified_dynamo"])
 def test_route_policy_kvroute(benchmark: Any, policy: str) -> None:
     _bench(benchmark, kvroute.Router(8, policy), "kvroute", policy, 8, 128, "numpy")
 
 
-@pytest.mark.parametrize("policy", ["lmetric", "leastwork"])
+@pytest.mark.parametrize("policy", ["lmetric", "leastwork", "unified_dynamo"])
 def test_route_policy_reference(benchmark: Any, reference_router_class: type, policy: str) -> None:
     router = reference_router_class(8, policy)
     _bench(benchmark, router, "reference", policy, 8, 128, "list")

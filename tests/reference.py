@@ -16,7 +16,7 @@ bit-for-bit.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,8 @@ class Instance:
     available: bool = True
     # LRU of block keys: the *last* entry is the most recently touched.
     cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Requests in flight holding each stored key (Dynamo's cost counts a shared block once).
+    holders: Counter[int] = field(default_factory=Counter)
 
 
 #: The engine parameters ``ttft`` predicts with (``Router.ttft_costs``).
@@ -99,6 +101,7 @@ class InFlight:
     input_length: int
     new_prefill: int
     first_token_seen: bool = False
+    held: list[int] = field(default_factory=list)
 
 
 def _keys(hash_ids: Any) -> list[int]:
@@ -447,14 +450,16 @@ class ReferenceRouter:
         inst.num_requests += 1
         inst.ongoing_tokens += input_length
         inst.pending_prefill_tokens += new_prefill
-        self._touch(inst, self.stored(keys, input_length))
+        held = self.stored(keys, input_length)
+        self._touch(inst, held)
+        inst.holders.update(held)
         self.routed = [
             self.routed[0] + 1,
             self.routed[1] + input_length,
             self.routed[2] + new_prefill,
         ]
 
-        self.requests[request_id] = InFlight(chosen, input_length, new_prefill)
+        self.requests[request_id] = InFlight(chosen, input_length, new_prefill, held=held)
         if session_id is not None and self.policy in AFFINITY_POLICIES:
             self.affinity[session_id] = chosen
             self.affinity.move_to_end(session_id)
@@ -490,6 +495,8 @@ class ReferenceRouter:
         inst = self.instances[r.instance]
         inst.num_requests -= 1
         inst.ongoing_tokens -= r.input_length
+        inst.holders.subtract(r.held)
+        inst.holders = +inst.holders  # drop the keys no request holds
         if r.first_token_seen:
             inst.ongoing_decode_tokens -= r.input_length
         else:
@@ -662,7 +669,10 @@ class ReferenceRouter:
         queued_blocks + decode_blocks.
 
         prefill_blocks = new_prefill / block_size, queued_blocks = pending_prefill_tokens /
-        block_size, decode_blocks = (ongoing_tokens + input_length) / block_size. Temperature
+        block_size, decode_blocks = (ongoing_tokens + input_length - block_size * again) /
+        block_size (at least 0), where ``again`` counts the blocks that several requests in
+        flight there hold beyond their first holder, and this request's leading stored keys
+        that one holds already: a block in flight once, as Dynamo counts it. Temperature
         0: the minimum, ties by a seeded draw among them. Above 0: a seeded softmax draw over
         ``-(cost / (max - min)) / temperature`` (a uniform draw among the minima when every
         cost is equal).
@@ -672,7 +682,14 @@ class ReferenceRouter:
         for i in avail:
             prefill_blocks = float(self.new_prefill(i, keys, n)) / bs
             queued_blocks = float(self.instances[i].pending_prefill_tokens) / bs
-            decode_blocks = float(self.instances[i].ongoing_tokens + n) / bs
+            inst = self.instances[i]
+            again = sum(c - 1 for c in inst.holders.values())
+            for key in self.stored(keys, n):
+                if key not in inst.holders:
+                    break
+                again += 1
+            in_flight = inst.ongoing_tokens + n - self.block_size * again
+            decode_blocks = float(max(in_flight, 0)) / bs
             costs.append(
                 self.overlap_weight * prefill_blocks
                 + self.queued_weight * queued_blocks

@@ -637,6 +637,31 @@ def test_dynamo_cost_weighs_the_prefill_queued_on_an_instance(
     assert r.route(3, [], 100) == (queued if to_the_queue else decoding)
 
 
+@pytest.mark.parametrize("policy", ["dynamo_cost", "unified_dynamo"])
+def test_dynamo_cost_counts_a_block_in_flight_once(policy: str) -> None:
+    # Three requests of one 8-block prefix (and a block each) in flight on instance 0, one
+    # request of 9 other blocks on 1. A fourth of the prefix adds 1 block to 0's 8 + 3 and
+    # prefills 1 there: cost 1 + 12; on 1 it prefills 9 beside 9 + 9: cost 27. Counting
+    # each request's tokens, 0 would cost 1 + 36.
+    r = Router(2, policy, block_size=4, overlap_weight=1.0)
+    prefix = list(range(1, 9))
+    r.set_available(1, False)
+    for j in range(3):
+        assert r.route(f"p{j}", [*prefix, 100 + j], 36) == 0
+    r.set_available(1, True)
+    assert r.route("other", list(range(200, 209)), 36) == 1
+    assert r.route("p3", [*prefix, 103], 36) == 0
+    for j in range(4):
+        r.finish(f"p{j}")
+    # Their blocks are no longer counted: three unrelated requests of 10 blocks on 0 are 30
+    # blocks, so a fifth unrelated request costs 9 + 39 there and 9 + 18 on 1.
+    r.set_available(1, False)
+    for j in range(3):
+        r.route(f"x{j}", list(range(400 + 10 * j, 410 + 10 * j)), 40)
+    r.set_available(1, True)
+    assert r.route("y", list(range(500, 509)), 36) == 1
+
+
 def test_round_robin_and_seeded_policies_are_reproducible() -> None:
     r = Router(3, "round_robin")
     assert [r.route(i, [], 0) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]

@@ -74,6 +74,10 @@ pub(crate) struct PickInput<'a> {
     pub cached_blocks: &'a dyn Fn(usize) -> usize,
     pub input_length: u64,
     pub block_size: u64,
+    /// Tokens that the instance's requests in flight and this one count beyond the blocks
+    /// the engine would hold for them: a block several hold, and this request's leading
+    /// blocks held there already, once each (0 unless the policy [`Policy::reads_held`]).
+    pub held_again: &'a dyn Fn(usize) -> u64,
     /// The session's affinity instance, if it is available.
     pub affinity: Option<usize>,
     /// Σ num_requests and the count, over the available instances.
@@ -326,7 +330,8 @@ fn dynamo_cost(p: &PolicyParams, input: &PickInput<'_>, state: &mut PickState) -
         .map(|i| {
             let prefill_blocks = input.new_prefill(i) as f64 / bs;
             let queued_blocks = input.loads[i].pending_prefill_tokens as f64 / bs;
-            let decode_blocks = input.loads[i].ongoing_tokens.saturating_add(input.input_length) as f64 / bs;
+            let in_flight = input.loads[i].ongoing_tokens.saturating_add(input.input_length);
+            let decode_blocks = in_flight.saturating_sub((input.held_again)(i)) as f64 / bs;
             (i, p.overlap_weight * prefill_blocks + p.queued_weight * queued_blocks + decode_blocks)
         })
         .collect();

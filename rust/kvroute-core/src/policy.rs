@@ -80,6 +80,12 @@ impl Policy {
         Self::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| Error::UnknownPolicy(name.to_owned()))
     }
 
+    /// Whether the picker reads the blocks held in flight on each instance (Dynamo's cost
+    /// counts a block that several requests in flight hold once).
+    pub fn reads_held(self) -> bool {
+        matches!(self, Policy::UnifiedDynamo | Policy::DynamoCost)
+    }
+
     /// Whether the picker needs every instance's cache hit (one index walk per request).
     pub fn scores_cache(self) -> bool {
         matches!(

@@ -3,7 +3,10 @@
 //!
 //! `route` costs one cluster-index walk over the request's keys (policies that score the
 //! cache), one pass over the instances, and one touch per key on the chosen instance:
-//! O(keys + instances). `first_token` and `finish` are O(1). The touch can go to
+//! O(keys + instances); under Dynamo's cost or a token cap, also one hash update per key to
+//! count the blocks held in flight (`held`), and the cost looks up, per instance, the
+//! request's leading keys held there. `first_token` is O(1), `finish` O(1) (O(keys) where
+//! blocks held are counted). The touch can go to
 //! a worker thread instead ([`Router::touch_through`], same results). Not
 //! synchronised: wrap it in a lock to share it between threads (the Python binding does).
 //!
@@ -99,7 +102,8 @@ pub struct Router {
     engine: engine_load::EngineLoads,
     /// The loads the policies read when they are not the router's own (`engine_load`).
     seen: Vec<InstanceLoad>,
-    /// The blocks held in flight, a shared one once, under a token cap (`held`).
+    /// The blocks held in flight, a shared one once, under a token cap or for a policy that
+    /// reads them (`held`).
     held: held::HeldBlocks,
 }
 
@@ -129,6 +133,8 @@ impl Router {
             ));
         }
         config.params.validate_for(policy)?;
+        let mut held = held::HeldBlocks::default();
+        held.track(policy.reads_held(), num_instances);
         Ok(Self {
             policy,
             loads: vec![InstanceLoad { available: true, ..InstanceLoad::default() }; num_instances],
@@ -143,7 +149,7 @@ impl Router {
             merged: Vec::new(),
             available_totals: (0, num_instances as u64),
             engine: engine_load::EngineLoads::new(num_instances),
-            held: held::HeldBlocks::default(),
+            held,
             seen: Vec::new(),
             config,
         })
@@ -351,6 +357,10 @@ impl Router {
             },
             input_length,
             block_size: self.config.block_size,
+            held_again: &|i| {
+                let blocks = self.held.shared_blocks(i) + self.held.held_prefix(i, &keys[..stored]);
+                blocks.saturating_mul(self.config.block_size)
+            },
             affinity,
             available_totals,
         };
