@@ -427,7 +427,9 @@ mod tests {
         assert!(!r.takes(0, &[], 600, (0, 500)), "nor with tokens held for another session");
         assert!(!r.takes(0, &[], 10, (u64::MAX, 0)), "nor with every room held");
         assert_eq!(r.route(Id::Int(0), &[], 600, None).unwrap().instance, 0);
-        assert!(r.takes(0, &[], 400, (0, 0)) && !r.takes(0, &[], 401, (0, 0)) && !r.takes(0, &[], 400, (0, 1)));
+        assert!(
+            r.takes(0, &[], 400, (0, 0)) && !r.takes(0, &[], 401, (0, 0)) && !r.takes(0, &[], 400, (0, 1))
+        );
         assert!(!r.is_overloaded(0));
         assert_eq!(r.route(Id::Int(1), &[], 10, None).unwrap().instance, 1);
         assert_eq!(r.route(Id::Int(2), &[], 400, None).unwrap().instance, 0);

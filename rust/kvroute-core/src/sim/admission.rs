@@ -153,11 +153,11 @@ impl Waiting {
         for (k, w) in self.list.iter().enumerate() {
             let i = w.row as usize;
             let session = Id::Int(i64::from(w.session));
-            let input = trace.input_length[i] as u64;
-            let Some(x) = router.preferred(trace.keys_of(i), input, Some(&session)) else {
+            let (keys, input) = (trace.keys_of(i), trace.input_length[i] as u64);
+            let Some(x) = router.preferred(keys, input, Some(&session)) else {
                 continue;
             };
-            if router.takes(x, trace.keys_of(i), input, self.held_on(a, x, w.session, t)) && !self.claimed[x] {
+            if router.takes(x, keys, input, self.held_on(a, x, w.session, t)) && !self.claimed[x] {
                 let w = self.list.remove(k).expect("an index of the list");
                 return Some((w, Bind::On(x)));
             }
@@ -167,9 +167,10 @@ impl Waiting {
         if t - first.since < a.patience_s {
             return None;
         }
-        let input = trace.input_length[first.row as usize] as u64;
+        let row = first.row as usize;
+        let (keys, input) = (trace.keys_of(row), trace.input_length[row] as u64);
         let no_room: Vec<usize> =
-            (0..n).filter(|&i| !router.takes(i, trace.keys_of(first.row as usize), input, self.held_on(a, i, first.session, t))).collect();
+            (0..n).filter(|&i| !router.takes(i, keys, input, self.held_on(a, i, first.session, t))).collect();
         if no_room.len() == n {
             return None;
         }

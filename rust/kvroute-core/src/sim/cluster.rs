@@ -267,9 +267,11 @@ impl Loop<'_, '_> {
         let Some(a) = self.admission else {
             return self.dispatch(row, s, t, t, Bind::Any(Vec::new()));
         };
-        let input = self.trace.input_length[row as usize] as u64;
+        let (keys, input) = (self.trace.keys_of(row as usize), self.trace.input_length[row as usize] as u64);
         let held = self.waiting.take_hold(s, t);
-        if let Some(x) = held.filter(|&x| self.router.takes(x, self.trace.keys_of(row as usize), input, self.waiting.held_on(&a, x, s, t))) {
+        if let Some(x) =
+            held.filter(|&x| self.router.takes(x, keys, input, self.waiting.held_on(&a, x, s, t)))
+        {
             return self.dispatch(row, s, t, t, Bind::On(x));
         }
         self.waiting.push(Waiter { row, session: s, since: t });
