@@ -133,6 +133,7 @@ class ReferenceRouter:
         balance_rel: float = 1.1,
         overlap_weight: float = 1.0,
         queued_weight: float = 0.0,
+        dedup_weight: float = 0.0,
         temperature: float = 0.0,
         load_source: str = "router",
         engine_profile: dict[str, float] | None = None,
@@ -162,6 +163,7 @@ class ReferenceRouter:
             ("balance_rel", balance_rel),
             ("overlap_weight", overlap_weight),
             ("queued_weight", queued_weight),
+            ("dedup_weight", dedup_weight),
             ("temperature", temperature),
             ("ttft_slo_s", ttft_slo_s),
             ("delay_weight", delay_weight),
@@ -179,6 +181,9 @@ class ReferenceRouter:
         self.balance_rel = balance_rel
         self.overlap_weight = overlap_weight
         self.queued_weight = queued_weight
+        if dedup_weight > 1:
+            raise InvalidArgumentError("dedup_weight must be at most 1")
+        self.dedup_weight = dedup_weight
         self.temperature = temperature
         # `ttft` predicts with the h20 preset's step costs under the profile's parameters.
         self.step_costs = engine_params("h20-qwen3-coder-30b-a3b", **(engine_profile or {}))
@@ -669,10 +674,11 @@ class ReferenceRouter:
         queued_blocks + decode_blocks.
 
         prefill_blocks = new_prefill / block_size, queued_blocks = pending_prefill_tokens /
-        block_size, decode_blocks = (ongoing_tokens + input_length - block_size * again) /
-        block_size (at least 0), where ``again`` counts the blocks that several requests in
-        flight there hold beyond their first holder, and this request's leading stored keys
-        that one holds already: a block in flight once, as Dynamo counts it. Temperature
+        block_size, decode_blocks = max(ongoing_tokens + input_length - dedup_weight *
+        block_size * again, 0) / block_size, where ``again`` counts the blocks that several
+        requests in flight there hold beyond their first holder, and this request's leading
+        stored keys that one holds already (``dedup_weight`` 1: a block in flight once, as
+        Dynamo counts it; 0, the default: each request's whole prompt). Temperature
         0: the minimum, ties by a seeded draw among them. Above 0: a seeded softmax draw over
         ``-(cost / (max - min)) / temperature`` (a uniform draw among the minima when every
         cost is equal).
@@ -688,8 +694,10 @@ class ReferenceRouter:
                 if key not in inst.holders:
                     break
                 again += 1
-            in_flight = inst.ongoing_tokens + n - self.block_size * again
-            decode_blocks = float(max(in_flight, 0)) / bs
+            in_flight = float(inst.ongoing_tokens + n)
+            if self.dedup_weight != 0.0:
+                in_flight -= self.dedup_weight * float(self.block_size * again)
+            decode_blocks = max(in_flight, 0.0) / bs
             costs.append(
                 self.overlap_weight * prefill_blocks
                 + self.queued_weight * queued_blocks

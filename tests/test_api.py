@@ -110,6 +110,7 @@ def test_unknown_policy() -> None:
         ({"balance_abs": -1}, "balance_abs"),
         ({"overlap_weight": -2.0}, "overlap_weight"),
         ({"queued_weight": float("nan")}, "queued_weight"),
+        ({"dedup_weight": 1.5}, "dedup_weight"),
         ({"seed": -1}, "seed"),
     ],
 )
@@ -638,12 +639,20 @@ def test_dynamo_cost_weighs_the_prefill_queued_on_an_instance(
 
 
 @pytest.mark.parametrize("policy", ["dynamo_cost", "unified_dynamo"])
-def test_dynamo_cost_counts_a_block_in_flight_once(policy: str) -> None:
+def test_dynamo_cost_with_dedup_weight_counts_a_block_in_flight_once(policy: str) -> None:
     # Three requests of one 8-block prefix (and a block each) in flight on instance 0, one
     # request of 9 other blocks on 1. A fourth of the prefix adds 1 block to 0's 8 + 3 and
     # prefills 1 there: cost 1 + 12; on 1 it prefills 9 beside 9 + 9: cost 27. Counting
-    # each request's tokens, 0 would cost 1 + 36.
-    r = Router(2, policy, block_size=4, overlap_weight=1.0)
+    # each request's tokens (dedup_weight=0, the default), 0 costs 1 + 36: 1 wins.
+    plain = Router(2, policy, block_size=4, overlap_weight=1.0)
+    prefix = list(range(1, 9))
+    plain.set_available(1, False)
+    for j in range(3):
+        plain.route(f"p{j}", [*prefix, 100 + j], 36)
+    plain.set_available(1, True)
+    plain.route("other", list(range(200, 209)), 36)
+    assert plain.route("p3", [*prefix, 103], 36) == 1
+    r = Router(2, policy, block_size=4, overlap_weight=1.0, dedup_weight=1.0)
     prefix = list(range(1, 9))
     r.set_available(1, False)
     for j in range(3):

@@ -59,6 +59,7 @@ def router_config(draw: st.DrawFn, policy: str) -> tuple[int, dict[str, Any]]:
     if policy in ("dynamo_cost", "unified_dynamo"):
         kw["overlap_weight"] = draw(st.sampled_from([1.0, 0.0, 0.5, 2.0]))
         kw["queued_weight"] = draw(st.sampled_from([0.0, 1.0, 0.5, 8.0]))
+        kw["dedup_weight"] = draw(st.sampled_from([0.0, 1.0, 0.5]))
         kw["temperature"] = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0, 3.0]))
     if policy == "ttft":
         kw["engine_profile"] = {

@@ -210,6 +210,8 @@ ARMS: dict[str, Arm] = {
                 ("-yield2", ("--queue-hold-yield", "2")),
             )
         ),
+        # Dynamo's own count of the blocks in flight: a block several requests share, once.
+        Arm("kvroute-dedup", "kvroute", _kvroute("--router-option", "dedup_weight=1")),
         # Least predicted time to first token at the engines' calibrated costs; with a target
         # (seconds), the most cache reuse among the engines predicted to meet it.
         Arm("kvroute-ttft", "kvroute", _kvroute_ttft(), needs_profile=True),

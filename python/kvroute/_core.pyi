@@ -150,6 +150,7 @@ class Router:
         balance_rel: float = 1.1,
         overlap_weight: float = 1.0,
         queued_weight: float = 0.0,
+        dedup_weight: float = 0.0,
         temperature: float = 0.0,
         cache_view: Literal["estimate", "events"] = "estimate",
         pending_ttl_s: float = 10.0,

@@ -53,6 +53,7 @@ PARAM_POLICIES = {
     "balance_rel": ("sglang_cache_aware",),
     "overlap_weight": ("dynamo_cost", "unified_dynamo"),
     "queued_weight": ("dynamo_cost", "unified_dynamo"),
+    "dedup_weight": ("dynamo_cost", "unified_dynamo"),
     "temperature": ("dynamo_cost", "unified_dynamo"),
     "ttft_slo_s": ("ttft",),
     "delay_weight": ("ttft",),

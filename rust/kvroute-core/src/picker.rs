@@ -76,7 +76,7 @@ pub(crate) struct PickInput<'a> {
     pub block_size: u64,
     /// Tokens that the instance's requests in flight and this one count beyond the blocks
     /// the engine would hold for them: a block several hold, and this request's leading
-    /// blocks held there already, once each (0 unless the policy [`Policy::reads_held`]).
+    /// blocks held there already, once each (0 unless [`Policy::reads_held`] or a token cap).
     pub held_again: &'a dyn Fn(usize) -> u64,
     /// The session's affinity instance, if it is available.
     pub affinity: Option<usize>,
@@ -330,8 +330,10 @@ fn dynamo_cost(p: &PolicyParams, input: &PickInput<'_>, state: &mut PickState) -
         .map(|i| {
             let prefill_blocks = input.new_prefill(i) as f64 / bs;
             let queued_blocks = input.loads[i].pending_prefill_tokens as f64 / bs;
-            let in_flight = input.loads[i].ongoing_tokens.saturating_add(input.input_length);
-            let decode_blocks = in_flight.saturating_sub((input.held_again)(i)) as f64 / bs;
+            let in_flight = input.loads[i].ongoing_tokens.saturating_add(input.input_length) as f64;
+            let again =
+                if p.dedup_weight == 0.0 { 0.0 } else { p.dedup_weight * (input.held_again)(i) as f64 };
+            let decode_blocks = (in_flight - again).max(0.0) / bs;
             (i, p.overlap_weight * prefill_blocks + p.queued_weight * queued_blocks + decode_blocks)
         })
         .collect();

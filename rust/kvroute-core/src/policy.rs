@@ -80,10 +80,10 @@ impl Policy {
         Self::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| Error::UnknownPolicy(name.to_owned()))
     }
 
-    /// Whether the picker reads the blocks held in flight on each instance (Dynamo's cost
-    /// counts a block that several requests in flight hold once).
-    pub fn reads_held(self) -> bool {
-        matches!(self, Policy::UnifiedDynamo | Policy::DynamoCost)
+    /// Whether the picker reads the blocks held in flight on each instance with `params`
+    /// (Dynamo's cost under a `dedup_weight`).
+    pub fn reads_held(self, params: &PolicyParams) -> bool {
+        matches!(self, Policy::UnifiedDynamo | Policy::DynamoCost) && params.dedup_weight > 0.0
     }
 
     /// Whether the picker needs every instance's cache hit (one index walk per request).
@@ -121,6 +121,11 @@ pub struct PolicyParams {
     /// the requests not yet past their first token); 0 leaves it out, `overlap_weight` is
     /// Dynamo's own cost.
     pub queued_weight: f64,
+    /// `dynamo_cost`, `unified_dynamo`: the share (0 to 1) of the blocks in flight that several
+    /// requests on the instance hold (and that this request would share there) taken off its
+    /// decode blocks; 0 counts each request's whole prompt, 1 is Dynamo's count of distinct
+    /// blocks.
+    pub dedup_weight: f64,
     /// `dynamo_cost`, `unified_dynamo`: 0 takes the argmin; above 0, softmax sampling over the negated costs.
     pub temperature: f64,
     /// `ttft`: the engines' step costs; required by `ttft`, read by no other policy.
@@ -203,6 +208,7 @@ impl Default for PolicyParams {
             balance_rel: 1.1,
             overlap_weight: 1.0,
             queued_weight: 0.0,
+            dedup_weight: 0.0,
             temperature: 0.0,
             ttft_costs: None,
             ttft_slo_s: 0.0,
@@ -221,6 +227,7 @@ impl PolicyParams {
             ("balance_rel", self.balance_rel, 0.0),
             ("overlap_weight", self.overlap_weight, 0.0),
             ("queued_weight", self.queued_weight, 0.0),
+            ("dedup_weight", self.dedup_weight, 0.0),
             ("temperature", self.temperature, 0.0),
             ("ttft_slo_s", self.ttft_slo_s, 0.0),
             ("delay_weight", self.delay_weight, 0.0),
@@ -231,6 +238,12 @@ impl PolicyParams {
                     "{name} must be a finite number >= {min}, got {value}"
                 )));
             }
+        }
+        if self.dedup_weight > 1.0 {
+            return Err(Error::InvalidArgument(format!(
+                "dedup_weight must be at most 1, got {}",
+                self.dedup_weight
+            )));
         }
         self.ttft_costs.as_ref().map_or(Ok(()), TtftCosts::validate)
     }

@@ -55,13 +55,13 @@ impl PyRouter {
         cache_rule = TextArg::of("trace"), max_sessions = None, overload_factor = RealArg::of(2.0), hit_ratio_gate = RealArg::of(0.5),
         seed = IntArg::of(0), cache_threshold = RealArg::of(0.5), balance_abs = IntArg::of(32),
         balance_rel = RealArg::of(1.1), overlap_weight = RealArg::of(1.0), queued_weight = RealArg::of(0.0),
-        temperature = RealArg::of(0.0),
+        dedup_weight = RealArg::of(0.0), temperature = RealArg::of(0.0),
         cache_view = TextArg::of("estimate"), pending_ttl_s = RealArg::of(10.0), affinity = TextArg::of("map"),
         load_source = TextArg::of("router"), engine_profile = None, ttft_slo_s = RealArg::of(0.0),
         delay_weight = RealArg::of(0.0)),
         text_signature = "(num_instances, policy='unified', *, block_size=512, cache_capacity_blocks=None, \
         cache_rule='trace', max_sessions=None, overload_factor=2.0, hit_ratio_gate=0.5, seed=0, cache_threshold=0.5, \
-        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, queued_weight=0.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map', \
+        balance_abs=32, balance_rel=1.1, overlap_weight=1.0, queued_weight=0.0, dedup_weight=0.0, temperature=0.0, cache_view='estimate', pending_ttl_s=10.0, affinity='map', \
         load_source='router', engine_profile=None, ttft_slo_s=0.0, delay_weight=0.0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -80,6 +80,7 @@ impl PyRouter {
         balance_rel: RealArg,
         overlap_weight: RealArg,
         queued_weight: RealArg,
+        dedup_weight: RealArg,
         temperature: RealArg,
         cache_view: TextArg,
         pending_ttl_s: RealArg,
@@ -107,6 +108,7 @@ impl PyRouter {
                 balance_rel: real(&balance_rel, "balance_rel")?,
                 overlap_weight: real(&overlap_weight, "overlap_weight")?,
                 queued_weight: real(&queued_weight, "queued_weight")?,
+                dedup_weight: real(&dedup_weight, "dedup_weight")?,
                 temperature: real(&temperature, "temperature")?,
                 ttft_costs: Some(build_params(py, TTFT_PRESET, engine_profile.as_ref())?.ttft_costs()),
                 ttft_slo_s: real(&ttft_slo_s, "ttft_slo_s")?,

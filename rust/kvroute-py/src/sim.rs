@@ -152,6 +152,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                 "balance_rel" => &mut params.balance_rel,
                 "overlap_weight" => &mut params.overlap_weight,
                 "queued_weight" => &mut params.queued_weight,
+                "dedup_weight" => &mut params.dedup_weight,
                 "temperature" => &mut params.temperature,
                 "ttft_slo_s" => &mut params.ttft_slo_s,
                 "delay_weight" => &mut params.delay_weight,
@@ -168,7 +169,7 @@ fn run_config(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<(usize, RunConf
                         py,
                         format!(
                             "unknown policy parameter {name:?}; known: overload_factor, hit_ratio_gate, \
-                         cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, temperature, ttft_slo_s, delay_weight, \
+                         cache_threshold, balance_abs, balance_rel, overlap_weight, queued_weight, dedup_weight, temperature, ttft_slo_s, delay_weight, \
                          max_in_flight, max_in_flight_tokens, queue_patience_s, queue_hold_s, queue_hold_yield_s"
                         ),
                     ))

@@ -199,7 +199,8 @@ impl Router {
             )));
         }
         self.engine.rule = rule;
-        self.held.track(rule.tokens.is_some() || self.policy.reads_held(), self.loads.len());
+        self.held
+            .track(rule.tokens.is_some() || self.policy.reads_held(&self.config.params), self.loads.len());
         Ok(())
     }
 

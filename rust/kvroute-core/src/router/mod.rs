@@ -3,7 +3,8 @@
 //!
 //! `route` costs one cluster-index walk over the request's keys (policies that score the
 //! cache), one pass over the instances, and one touch per key on the chosen instance:
-//! O(keys + instances); under Dynamo's cost or a token cap, also one hash update per key to
+//! O(keys + instances); under a token cap or Dynamo's cost with a `dedup_weight`, also one
+//! hash update per key to
 //! count the blocks held in flight (`held`), and the cost looks up, per instance, the
 //! request's leading keys held there. `first_token` is O(1), `finish` O(1) (O(keys) where
 //! blocks held are counted). The touch can go to
@@ -102,8 +103,8 @@ pub struct Router {
     engine: engine_load::EngineLoads,
     /// The loads the policies read when they are not the router's own (`engine_load`).
     seen: Vec<InstanceLoad>,
-    /// The blocks held in flight, a shared one once, under a token cap or for a policy that
-    /// reads them (`held`).
+    /// The blocks held in flight, a shared one once, under a token cap or for Dynamo's cost
+    /// under a `dedup_weight` (`held`).
     held: held::HeldBlocks,
 }
 
@@ -134,7 +135,7 @@ impl Router {
         }
         config.params.validate_for(policy)?;
         let mut held = held::HeldBlocks::default();
-        held.track(policy.reads_held(), num_instances);
+        held.track(policy.reads_held(&config.params), num_instances);
         Ok(Self {
             policy,
             loads: vec![InstanceLoad { available: true, ..InstanceLoad::default() }; num_instances],
