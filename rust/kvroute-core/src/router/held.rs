@@ -1,14 +1,13 @@
 //! The blocks the requests in flight hold on each instance, a block several of them share
-//! counted once, as the engine holds it: the token cap (`engine_load`) and Dynamo's cost
-//! (`picker`, whose decode blocks are the blocks in flight) count a prefix in flight in
-//! several requests once.
+//! counted once, as the engine holds it: the token cap (`engine_load`), and Dynamo's cost
+//! under a `dedup_weight` (`picker`), count a prefix in flight in several requests once.
 //!
 //! Per instance, a count of holders per key and the number of key occurrences beyond each
 //! key's first (`Σ (holders - 1)`, the shared blocks). Adding or removing a request costs
-//! O(its keys) hash updates; kept only under a token cap or for a policy that reads it
-//! ([`HeldBlocks::tracking`]). A
-//! request routed while not tracking holds no keys here, so turning the cap on or off while
-//! requests are in flight can leave counts short until those requests end, never negative.
+//! O(its keys) hash updates; kept only while one of the two reads it
+//! ([`HeldBlocks::tracking`]). A request routed while not tracking holds no keys here, so
+//! turning the cap on or off while requests are in flight can leave counts short until
+//! those requests end, never negative.
 //! Not synchronised (the router's lock).
 
 use rustc_hash::FxHashMap;

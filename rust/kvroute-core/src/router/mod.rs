@@ -4,12 +4,11 @@
 //! `route` costs one cluster-index walk over the request's keys (policies that score the
 //! cache), one pass over the instances, and one touch per key on the chosen instance:
 //! O(keys + instances); under a token cap or Dynamo's cost with a `dedup_weight`, also one
-//! hash update per key to
-//! count the blocks held in flight (`held`), and the cost looks up, per instance, the
-//! request's leading keys held there. `first_token` is O(1), `finish` O(1) (O(keys) where
-//! blocks held are counted). The touch can go to
-//! a worker thread instead ([`Router::touch_through`], same results). Not
-//! synchronised: wrap it in a lock to share it between threads (the Python binding does).
+//! hash update per key to count the blocks held in flight (`held`), and the cost looks up,
+//! per instance, the request's leading keys held there. `first_token` is O(1), `finish` O(1)
+//! (O(keys) where blocks held are counted). The touch can go to a worker thread instead
+//! ([`Router::touch_through`], same results). Not synchronised: wrap it in a lock to share
+//! it between threads (the Python binding does).
 //!
 //! `config`: ids, the cache rule and view, [`RouterConfig`]; `instances`: availability and
 //! each instance's cache model; `kv_events`: the engines' KV-cache events view;
