@@ -689,13 +689,13 @@ class ReferenceRouter:
             prefill_blocks = float(self.new_prefill(i, keys, n)) / bs
             queued_blocks = float(self.instances[i].pending_prefill_tokens) / bs
             inst = self.instances[i]
-            again = sum(c - 1 for c in inst.holders.values())
-            for key in self.stored(keys, n):
-                if key not in inst.holders:
-                    break
-                again += 1
             in_flight = float(inst.ongoing_tokens + n)
             if self.dedup_weight != 0.0:
+                again = sum(c - 1 for c in inst.holders.values())
+                for key in self.stored(keys, n):
+                    if key not in inst.holders:
+                        break
+                    again += 1
                 in_flight -= self.dedup_weight * float(self.block_size * again)
             decode_blocks = max(in_flight, 0.0) / bs
             costs.append(
