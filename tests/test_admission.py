@@ -199,30 +199,41 @@ def test_an_engine_holds_a_room_for_a_sessions_next_turn() -> None:
         assert queue(proxy)["queued"] == 1
 
 
+def two_beside_and_a_third_waiting(
+    url: str, proxy: Proxy, e0: GatedEngine, prompts: list[list[int]], why: str
+) -> None:
+    """The first two ``prompts`` on ``e0`` at once, under a token cap; the third waits while
+    either is in flight (``why``), and goes once both have ended; all three answered."""
+    first = send(url, prompts[0])
+    wait_until(lambda: e0.arrived == 1, what="the first on the engine")
+    second = send(url, prompts[1])
+    wait_until(lambda: e0.arrived == 2, what="the second beside it")
+    third = send(url, prompts[2])
+    wait_until(lambda: queue(proxy)["waiting"] == 1, what="the third to wait")
+    e0.release()
+    first["thread"].join()
+    assert queue(proxy)["waiting"] == 1, why
+    e0.release()
+    wait_until(lambda: e0.arrived == 3, what="the third once the engine is empty")
+    e0.release()
+    for r in (first, second, third):
+        r["thread"].join()
+        assert r["status"] == 200
+
+
 def test_a_token_cap_admits_what_fits_beside_the_tokens_in_flight_and_held() -> None:
     """With ``max_in_flight_tokens`` (no request cap) an engine takes requests while their
     prompt tokens fit under the cap, and one alone whatever its length; a held room keeps
     its session's tokens too, so another session's request waits on an idle engine."""
     config = {"max_in_flight": None, "max_in_flight_tokens": 4, "queue_size": 8}
     with stack(1, **config, queue_patience_s=0.0) as (url, proxy, (e0,)):
-        first = send(url, [1, 2])
-        wait_until(lambda: e0.arrived == 1, what="the first on the engine")
-        second = send(url, [3, 4])
-        wait_until(lambda: e0.arrived == 2, what="the second beside it: 4 tokens")
-        third = send(url, [5, 6, 7])
-        wait_until(lambda: queue(proxy)["waiting"] == 1, what="the third to wait")
-        e0.release()
-        first["thread"].join()
-        assert queue(proxy)["waiting"] == 1, "2 tokens in flight and 3 do not fit under 4"
-        e0.release()
-        wait_until(lambda: e0.arrived == 3, what="the third once the engine is empty")
-        e0.release()
+        prompts = [[1, 2], [3, 4], [5, 6, 7]]  # 4 tokens beside each other
+        two_beside_and_a_third_waiting(url, proxy, e0, prompts, "2 tokens in flight, 3 more")
         long = send(url, list(range(1, 11)))
         wait_until(lambda: e0.arrived == 4, what="10 tokens alone on an empty engine")
         e0.release()
-        for r in (first, second, third, long):
-            r["thread"].join()
-            assert r["status"] == 200
+        long["thread"].join()
+        assert long["status"] == 200
     a, b = {"X-Session-Id": "a"}, {"X-Session-Id": "b"}
     with stack(1, **config, queue_patience_s=0.0, queue_hold_s=4.0) as (url, proxy, (e0,)):
         first = send(url, [1, 2, 3], a)
@@ -249,21 +260,8 @@ def test_a_token_cap_does_not_count_a_prefix_in_flight_again() -> None:
     prompt as long with nothing in common waits until both have ended."""
     config = {"max_in_flight": None, "max_in_flight_tokens": 5000, "queue_size": 8}
     with stack(1, **config, queue_patience_s=0.0) as (url, proxy, (e0,)):
-        first = send(url, [*PREFIX, 1])
-        wait_until(lambda: e0.arrived == 1, what="the first on the engine")
-        twin = send(url, [*PREFIX, 2])
-        wait_until(lambda: e0.arrived == 2, what="the twin beside it")
-        fresh = send(url, list(range(10_000, 14_097)))
-        wait_until(lambda: queue(proxy)["waiting"] == 1, what="the fresh prompt to wait")
-        e0.release()
-        first["thread"].join()
-        assert queue(proxy)["waiting"] == 1, "4,097 in flight and 4,097 more do not fit"
-        e0.release()
-        wait_until(lambda: e0.arrived == 3, what="the fresh prompt once the engine is empty")
-        e0.release()
-        for r in (first, twin, fresh):
-            r["thread"].join()
-            assert r["status"] == 200
+        prompts = [[*PREFIX, 1], [*PREFIX, 2], list(range(10_000, 14_097))]
+        two_beside_and_a_third_waiting(url, proxy, e0, prompts, "4,097 in flight, 4,097 more")
         assert queue(proxy)["queued"] == 1
 
 
